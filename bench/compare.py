@@ -1,0 +1,75 @@
+"""Part 1 driver: the same adds and searches against one side (ours or mem0), in this process.
+
+A side is an object with add_one(user, text), add_groups([(user, [texts])]), fill([(user, text)])
+and search(user, query, mode) plus a list `modes`. Standard library + tqdm only, so that it runs
+in the main venv and in .venv-bench.
+"""
+
+import time
+
+from tqdm import tqdm
+
+from bench.workload import machine, memories, percentiles, queries
+
+
+def _by_user(items):
+    groups = {}
+    for user, text in items:
+        groups.setdefault(user, []).append(text)
+    return list(groups.items())
+
+
+def measure(side, name, sizes=(1000, 10000, 100000), batch_groups=100, n_queries=300, warmup=20,
+            max_seconds=120.0):
+    """Adds, then per size: fill up to it and time searches (n_queries, or fewer past max_seconds)."""
+    sizes = sorted(sizes)
+    data = memories(max(sizes))
+    qs = queries(n_queries + warmup)
+    out = {"side": name, "machine": machine(), "sizes": sizes, "search": {}, "fill": []}
+    out.update(getattr(side, "describe", dict)())
+
+    # One at a time: the first size (1k memories = one per user).
+    lat = []
+    t0 = time.perf_counter()
+    for user, text in tqdm(data[: sizes[0]], desc=f"{name}: add one at a time", unit="mem"):
+        t = time.perf_counter()
+        side.add_one(user, text)
+        lat.append(time.perf_counter() - t)
+    took = time.perf_counter() - t0
+    out["add_single"] = {"n": len(lat), "seconds": took, "per_s": len(lat) / took, **percentiles(lat)}
+    filled = sizes[0]
+
+    for size in sizes:
+        if filled < size:
+            chunk = data[filled:size]
+            if "add_batched" not in out:
+                # Batched: the first `batch_groups` users' memories of this slice, one call per user for
+                # mem0 (its add() takes one scope), as few calls as the API allows for ours.
+                groups = _by_user(chunk)[:batch_groups]
+                n = sum(len(texts) for _, texts in groups)
+                t0 = time.perf_counter()
+                calls = side.add_groups(groups)
+                took = time.perf_counter() - t0
+                out["add_batched"] = {"n": n, "calls": calls, "seconds": took, "per_s": n / took}
+                done = {(u, t) for u, texts in groups for t in texts}
+                chunk = [item for item in chunk if item not in done]
+            t0 = time.perf_counter()
+            side.fill(chunk)
+            took = time.perf_counter() - t0
+            out["fill"].append({"to": size, "n": len(chunk), "seconds": took, "per_s": len(chunk) / took})
+            filled = size
+        out["search"][str(size)] = {}
+        for mode in side.modes:
+            for user, query in qs[:warmup]:
+                side.search(user, query, mode)
+            lat = []
+            hits = 0
+            deadline = time.perf_counter() + max_seconds
+            for user, query in tqdm(qs[warmup:], desc=f"{name}: search {size} {mode}", unit="q"):
+                t = time.perf_counter()
+                hits += side.search(user, query, mode)
+                lat.append(time.perf_counter() - t)
+                if t > deadline and len(lat) >= 50:
+                    break
+            out["search"][str(size)][mode] = {**percentiles(lat), "mean_results": hits / len(lat)}
+    return out

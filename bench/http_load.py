@@ -1,0 +1,99 @@
+"""Part 3: HTTP under load on loopback: N concurrent clients, 80% search / 20% add, fixed duration."""
+
+import argparse
+import asyncio
+import random
+import time
+
+import httpx
+from tqdm import tqdm
+
+from bench.server import cpu_seconds, running_server
+from bench.workload import machine, memories, percentiles, queries, user_id, write_result
+
+
+def prefill(server, n: int, chunk: int = 1000):
+    data = memories(n)
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=300) as client:
+        for i in tqdm(range(0, n, chunk), desc=f"http: prefill {n}", unit="batch"):
+            items = [{"text": t, "user_id": u} for u, t in data[i:i + chunk]]
+            client.post("/v1/memories/batch", json={"items": items}).raise_for_status()
+
+
+async def _load(server, clients: int, duration: float, search_share: float, seed: int):
+    rng = random.Random(seed)
+    qs = queries(5000, seed=seed)
+    lat = {"search": [], "add": []}
+    errors = {}
+    stop = time.perf_counter() + duration
+    added = 0
+
+    async def worker(client):
+        nonlocal added
+        while time.perf_counter() < stop:
+            if rng.random() < search_share:
+                op = "search"
+                u, q = rng.choice(qs)
+                req = ("/v1/memories/search", {"query": q, "filters": {"user_id": u}, "top_k": 10})
+            else:
+                op = "add"
+                added += 1
+                u = user_id(rng.randrange(1000))
+                req = ("/v1/memories", {"text": f"Load test note {added} from {u}: {rng.choice(qs)[1]}",
+                                        "user_id": u})
+            t = time.perf_counter()
+            try:
+                r = await client.post(req[0], json=req[1])
+                ok = r.status_code < 300
+                why = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                ok, why = False, type(exc).__name__
+            if ok:
+                lat[op].append(time.perf_counter() - t)
+            else:
+                errors[why] = errors.get(why, 0) + 1
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, limits=limits, timeout=30) as client:
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    return lat, errors
+
+
+def run_level(server, clients: int, duration: float, search_share: float = 0.8, seed: int = 3) -> dict:
+    server_cpu, client_cpu, t0 = cpu_seconds(server.pid), time.process_time(), time.perf_counter()
+    lat, errors = asyncio.run(_load(server, clients, duration, search_share, seed))
+    wall = time.perf_counter() - t0
+    done = len(lat["search"]) + len(lat["add"])
+    return {
+        "clients": clients, "seconds": wall, "requests": done, "throughput_rps": done / wall,
+        "errors": sum(errors.values()), "error_kinds": errors,
+        "all": percentiles(lat["search"] + lat["add"]),
+        "search": percentiles(lat["search"]), "add": percentiles(lat["add"]),
+        # Share of one core each side used; both near 1.0+ on a 2-core box means the box is saturated.
+        "server_cpu_per_s": (cpu_seconds(server.pid) - server_cpu) / wall,
+        "client_cpu_per_s": (time.process_time() - client_cpu) / wall,
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", default="16,64")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level")
+    p.add_argument("--prefill", type=int, default=10000)
+    p.add_argument("--out", default="http")
+    a = p.parse_args(argv)
+    result = {"machine": machine(), "prefill": a.prefill, "mix": "80% search / 20% add", "levels": []}
+    with running_server() as server:
+        prefill(server, a.prefill)
+        run_level(server, 4, min(5.0, a.duration))  # warm-up, not reported
+        for clients in (int(c) for c in a.clients.split(",")):
+            print(f"http: {clients} clients for {a.duration:.0f}s ...", flush=True)
+            level = run_level(server, clients, a.duration)
+            print(f"  {level['throughput_rps']:.0f} req/s, p99 {level['all'].get('p99_ms', 0):.0f} ms, "
+                  f"{level['errors']} errors", flush=True)
+            result["levels"].append(level)
+    print(write_result(a.out, result))
+
+
+if __name__ == "__main__":
+    main()

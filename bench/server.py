@@ -1,0 +1,82 @@
+"""Start a real `memory-server serve` on a free loopback port for the HTTP benchmarks."""
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Server:
+    url: str
+    key: str
+    pid: int
+    data_dir: Path
+
+    @property
+    def headers(self):
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli() -> list[str]:
+    exe = Path(sys.executable).parent / "memory-server"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("memory-server")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "from memory_server.cli import main; main()"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), to tell whether the client or the server is saturated."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def running_server(data_dir: Path | None = None, ready_timeout: float = 180.0, extra_env: dict | None = None):
+    with contextlib.ExitStack() as stack:
+        if data_dir is None:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-server-")))
+        port = _free_port()
+        log_path = data_dir / "server.log"
+        log = stack.enter_context(open(log_path, "w"))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(extra_env or {})}
+        cmd = _cli() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + ready_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not ready after {ready_timeout}s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.3)
+            key = (data_dir / "bootstrap-admin.key").read_text().strip()
+            yield Server(url, key, proc.pid, data_dir)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

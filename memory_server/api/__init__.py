@@ -1,0 +1,1 @@
+"""Thin HTTP routes: parse, call a service, return a response model."""

@@ -1,0 +1,31 @@
+"""Health, readiness and Prometheus metrics."""
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from memory_server.api.deps import PrincipalDep, RuntimeDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(runtime: RuntimeDep) -> JSONResponse:
+    checks = runtime.ready()
+    ok = all(checks.values())
+    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
+    principal.require_admin()
+    metrics = request.app.state.metrics
+    info = runtime.index.info()
+    metrics.index_position.set(info.applied_position)
+    metrics.index_points.set(info.points)
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

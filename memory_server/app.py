@@ -1,0 +1,128 @@
+"""create_app(settings) -> FastAPI: a lifespan opens and closes the backends."""
+
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from memory_server import __version__
+from memory_server.api import health, keys, memories
+from memory_server.config import Settings
+from memory_server.embedding import Embedder
+from memory_server.errors import MemoryServerError, PayloadTooLarge
+from memory_server.metrics import Metrics
+from memory_server.runtime import Runtime, ensure_bootstrap_key
+
+log = logging.getLogger("memory_server")
+_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+                 429: "rate_limited", 503: "unavailable"}
+
+
+def create_app(settings: Settings | None = None, *, embedder: Embedder | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runtime = Runtime.open(settings, embedder=embedder, background=True)
+        key_file = ensure_bootstrap_key(runtime.engine, settings.data_dir)
+        if key_file is not None:
+            log.warning("created the bootstrap admin key; it is in %s (mode 0600)", key_file)
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            runtime.close()
+
+    app = FastAPI(title="memory-server", version=__version__, lifespan=lifespan,
+                  description="Long-term memory for LLM agents. Contract: API.md.")
+    app.state.metrics = Metrics()
+    app.include_router(health.router)
+    app.include_router(memories.router)
+    app.include_router(keys.router)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    _install_metrics(app)
+    return app
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "field": field}}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MemoryServerError)
+    async def _domain(_: Request, exc: MemoryServerError):
+        return error_response(exc.status, exc.code, exc.message, exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        location = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        field = ".".join(location) or None
+        if first.get("type") == "json_invalid":
+            return error_response(400, "malformed_json", "request body is not valid JSON", None)
+        if first.get("type") == "missing" and not location:
+            return error_response(422, "invalid_input", "request body is required", None)
+        message = first.get("msg", "invalid input")
+        return error_response(422, "invalid_input", f"{field}: {message}" if field else message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "internal_error", "internal error; see the server log")
+
+
+def _install_metrics(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def _observe(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics: Metrics = request.app.state.metrics
+        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
+        metrics.latency.labels(request.method, path).observe(time.perf_counter() - started)
+        return response
+
+
+class BodyLimit:
+    """Refuses bodies over the limit with 413 before anything is parsed or written."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except PayloadTooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, "payload_too_large", f"request body exceeds {self.max_bytes} bytes")
+        await response(scope, receive, send)

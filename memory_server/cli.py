@@ -1,0 +1,133 @@
+"""The memory-server command: serve, keys, reindex."""
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+from sqlmodel import Session
+
+from memory_server.config import Settings
+
+app = typer.Typer(help="memory-server: long-term memory for LLM agents.", no_args_is_help=True)
+keys_app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+console = Console(stderr=True)
+
+DataDir = Annotated[Optional[Path], typer.Option("--data-dir", help="Data directory (MEMORY_SERVER_DATA_DIR).")]
+
+
+def _settings(data_dir: Path | None = None, **overrides) -> Settings:
+    values = {k: v for k, v in overrides.items() if v is not None}
+    if data_dir is not None:
+        values["data_dir"] = data_dir
+    return Settings(**values)
+
+
+@app.command()
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="Bind address (MEMORY_SERVER_HOST).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (MEMORY_SERVER_PORT).")] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Run the HTTP server (embedded SQLite + Qdrant Edge unless URLs are configured)."""
+    import uvicorn
+
+    from memory_server.app import create_app
+
+    settings = _settings(data_dir, host=host, port=port)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+
+
+@app.command()
+def reindex(data_dir: DataDir = None) -> None:
+    """Rebuild the vector index from SQL (stored embeddings; nothing is re-embedded)."""
+    from memory_server.runtime import Runtime
+
+    runtime = Runtime.open(_settings(data_dir))
+    try:
+        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task("reindexing", total=None)
+            done = runtime.sync.rebuild(lambda n, total: progress.update(task, completed=n, total=total))
+        runtime.sync.catch_up()
+        console.print(f"reindexed {done} memories")
+    finally:
+        runtime.close()
+
+
+def _engine(data_dir: Path | None):
+    from memory_server.runtime import open_database
+
+    return open_database(_settings(data_dir))
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant the key belongs to.")],
+    role: Annotated[str, typer.Option(help="admin or agent.")] = "agent",
+    user_id: Annotated[Optional[list[str]], typer.Option("--user-id", help="Restrict to this user_id (repeatable).")] = None,
+    agent_id: Annotated[Optional[list[str]], typer.Option("--agent-id", help="Restrict to this agent_id (repeatable).")] = None,
+    label: Annotated[Optional[str], typer.Option(help="A note to recognise the key by.")] = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Create a key; the key itself is printed alone on the last line (shown once)."""
+    from memory_server.auth import create_key
+    from memory_server.errors import MemoryServerError
+
+    engine = _engine(data_dir)
+    try:
+        with Session(engine) as session:
+            row, plaintext = create_key(session, tenant_id=tenant, role=role, user_ids=user_id or [],
+                                        agent_ids=agent_id or [], label=label)
+    except MemoryServerError as exc:
+        console.print(f"error: {exc.message}")
+        raise typer.Exit(2) from None
+    finally:
+        engine.dispose()
+    print(f"created {row.id} (tenant {row.tenant_id}, role {row.role}); store the key now, it is not shown again:")
+    print(plaintext)
+
+
+@keys_app.command("list")
+def keys_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tenant.")] = None,
+              data_dir: DataDir = None) -> None:
+    """List keys (never their secrets)."""
+    from memory_server.auth import list_keys
+
+    engine = _engine(data_dir)
+    with Session(engine) as session:
+        rows = list_keys(session, tenant)
+    engine.dispose()
+    table = Table("id", "tenant", "role", "user_ids", "agent_ids", "label", "created", "revoked")
+    for r in rows:
+        table.add_row(r.id, r.tenant_id, r.role, ",".join(r.user_ids), ",".join(r.agent_ids), r.label or "",
+                      r.created_at.isoformat(timespec="seconds"),
+                      r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "")
+    Console().print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, data_dir: DataDir = None) -> None:
+    """Revoke a key by its id (key_...)."""
+    from memory_server.auth import revoke_key
+    from memory_server.errors import MemoryServerError
+
+    engine = _engine(data_dir)
+    try:
+        with Session(engine) as session:
+            revoke_key(session, key_id)
+    except MemoryServerError as exc:
+        console.print(f"error: {exc.message}")
+        raise typer.Exit(2) from None
+    finally:
+        engine.dispose()
+    print(f"revoked {key_id}")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,52 @@
+"""Settings, read once from the environment (prefix MEMORY_SERVER_) and validated."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every setting is documented in docs/configuration.md (a test keeps that true)."""
+
+    model_config = SettingsConfigDict(env_prefix="MEMORY_SERVER_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    data_dir: Path = Path("./memory-data")
+    database_url: str | None = None
+    qdrant_url: str | None = None
+    qdrant_api_key: str | None = None
+    qdrant_collection: str = "memories"
+
+    embedding_model: str = "all-MiniLM-L6-v2"
+    embedding_backend: Literal["torch", "onnx"] = "torch"
+    embedding_batch_size: int = Field(64, ge=1, le=4096)
+    query_cache_size: int = Field(1024, ge=0)
+
+    dedup_threshold: float = Field(0.95, ge=0.0, le=1.0)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    max_memory_bytes: int = Field(32 * 1024, ge=16)
+    max_batch_items: int = Field(1000, ge=1)
+
+    rrf_k: int = Field(60, ge=1)
+    hybrid_dense_weight: float = Field(1.0, ge=0.0)
+    hybrid_keyword_weight: float = Field(1.0, ge=0.0)
+    search_candidates: int = Field(100, ge=10, le=10000)
+
+    expiry_sweep_seconds: float = Field(60.0, gt=0)
+    sync_interval_seconds: float = Field(1.0, gt=0)
+    index_optimize_every: int = Field(20000, ge=100)
+    log_level: str = "INFO"
+
+    @field_validator("data_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'memory.db').resolve()}"

@@ -1,0 +1,104 @@
+"""SQL tables: the source of truth for memories, their history, the change log and API keys."""
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, LargeBinary, String, Text
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Stores UTC, always hands back timezone-aware datetimes (SQLite forgets the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+def _time_column(nullable: bool = False, index: bool = False) -> Column:
+    return Column(UTCDateTime(), nullable=nullable, index=index)
+
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+_BigIntId = BigInteger().with_variant(Integer, "sqlite")
+
+
+class MemoryRecord(SQLModel, table=True):
+    __tablename__ = "memories"
+    __table_args__ = (
+        Index("ix_memories_scope", "tenant_id", "user_id", "agent_id", "run_id"),
+        Index("ix_memories_listing", "tenant_id", "created_at", "id"),
+        Index("ix_memories_hash", "tenant_id", "hash"),
+    )
+
+    id: str = Field(primary_key=True, max_length=36)
+    tenant_id: str = Field(max_length=128)
+    user_id: str | None = Field(default=None, max_length=128)
+    agent_id: str | None = Field(default=None, max_length=128)
+    run_id: str | None = Field(default=None, max_length=128)
+    text: str = Field(sa_column=Column(Text, nullable=False))
+    hash: str = Field(max_length=32)
+    meta: dict = Field(default_factory=dict, sa_column=Column("metadata", JSON, nullable=False))
+    embedding: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(sa_column=_time_column())
+    updated_at: datetime = Field(sa_column=_time_column())
+    expires_at: datetime | None = Field(default=None, sa_column=_time_column(nullable=True, index=True))
+
+
+class MemoryHistory(SQLModel, table=True):
+    __tablename__ = "memory_history"
+
+    id: int | None = Field(default=None, sa_column=Column(_BigIntId, primary_key=True, autoincrement=True))
+    memory_id: str = Field(max_length=36, index=True)
+    tenant_id: str = Field(max_length=128)
+    user_id: str | None = Field(default=None, max_length=128)
+    agent_id: str | None = Field(default=None, max_length=128)
+    event: str = Field(max_length=16)
+    old_memory: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    new_memory: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    actor: str = Field(max_length=128)
+    created_at: datetime = Field(sa_column=_time_column())
+
+
+class ChangeLogEntry(SQLModel, table=True):
+    """Append-only: every index-visible change to a memory, at a monotonic position."""
+
+    __tablename__ = "change_log"
+
+    position: int | None = Field(default=None, sa_column=Column(_BigIntId, primary_key=True, autoincrement=True))
+    tenant_id: str = Field(max_length=128)
+    memory_id: str = Field(max_length=36)
+    op: str = Field(max_length=8)  # "upsert" | "delete"
+    created_at: datetime = Field(sa_column=_time_column())
+
+
+class ApiKey(SQLModel, table=True):
+    __tablename__ = "api_keys"
+
+    id: str = Field(primary_key=True, max_length=32)
+    tenant_id: str = Field(max_length=128, index=True)
+    role: str = Field(max_length=16)
+    key_hash: str = Field(sa_column=Column(String(64), unique=True, nullable=False))
+    user_ids: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    agent_ids: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    label: str | None = Field(default=None, max_length=200)
+    created_at: datetime = Field(sa_column=_time_column())
+    revoked_at: datetime | None = Field(default=None, sa_column=_time_column(nullable=True))

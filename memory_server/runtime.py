@@ -1,0 +1,125 @@
+"""Runtime: the opened backends (SQL, embedder, vector index) and the services built on them."""
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from memory_server.auth import create_key
+from memory_server.config import Settings
+from memory_server.embedding import Embedder
+from memory_server.models import ApiKey
+from memory_server.services.index_sync import IndexSync
+from memory_server.services.vector_memory import VectorMemory
+from memory_server.storage.db import create_schema, make_engine, ping
+from memory_server.storage.vectors import VectorIndex
+from memory_server.storage.vectors.sparse import SparseEncoder
+
+log = logging.getLogger("memory_server")
+BOOTSTRAP_KEY_FILE = "bootstrap-admin.key"
+BOOTSTRAP_TENANT = "default"
+
+
+def open_index(settings: Settings, dimension: int, model: str) -> VectorIndex:
+    if settings.qdrant_url:
+        from qdrant_client import QdrantClient
+
+        from memory_server.storage.vectors.qdrant import QdrantServerIndex
+
+        client = QdrantClient(location=":memory:") if settings.qdrant_url == ":memory:" else \
+            QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+        return QdrantServerIndex(client, settings.qdrant_collection, dimension, model)
+    from memory_server.storage.vectors.edge import EdgeIndex
+
+    return EdgeIndex(settings.data_dir / "index", dimension, model)
+
+
+def open_database(settings: Settings) -> Engine:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.resolved_database_url)
+    create_schema(engine)
+    return engine
+
+
+def ensure_bootstrap_key(engine: Engine, data_dir: Path) -> Path | None:
+    """On an empty key table, create an admin key and write it to a 0600 file (never to the log)."""
+    with Session(engine) as session:
+        if session.exec(select(ApiKey.id).limit(1)).first() is not None:
+            return None
+        _, plaintext = create_key(session, tenant_id=BOOTSTRAP_TENANT, role="admin", label="bootstrap")
+    path = data_dir / BOOTSTRAP_KEY_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(plaintext + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    embedder: Embedder
+    index: VectorIndex
+    sync: IndexSync
+    memories: VectorMemory
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _worker: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, settings: Settings, *, embedder: Embedder | None = None, background: bool = False) -> "Runtime":
+        engine = open_database(settings)
+        embedder = embedder or Embedder(settings.embedding_model, backend=settings.embedding_backend,
+                                        batch_size=settings.embedding_batch_size,
+                                        cache_size=settings.query_cache_size)
+        index = open_index(settings, embedder.dimension, embedder.name)
+        sparse = SparseEncoder()
+        sync = IndexSync(engine, index, sparse)
+        sync.catch_up()  # repair: replay whatever SQL committed that the index has not applied
+        memories = VectorMemory(settings, engine, embedder, index, sync, sparse)
+        runtime = cls(settings, engine, embedder, index, sync, memories)
+        if background:
+            runtime.start_background()
+        return runtime
+
+    def start_background(self) -> None:
+        self._worker = threading.Thread(target=self._maintain, name="memory-server-maintenance", daemon=True)
+        self._worker.start()
+
+    def _maintain(self) -> None:
+        """Follow the change log (other replicas' writes), purge expired memories, optimize the index."""
+        since_sweep = 0.0
+        interval = self.settings.sync_interval_seconds
+        while not self._stop.wait(interval):
+            try:
+                self.sync.catch_up()
+                since_sweep += interval
+                if since_sweep >= self.settings.expiry_sweep_seconds:
+                    since_sweep = 0.0
+                    while self.memories.purge_expired():
+                        pass
+                if self.sync.applied_since_optimize >= self.settings.index_optimize_every:
+                    self.sync.applied_since_optimize = 0
+                    self.index.optimize()
+            except Exception:  # keep maintaining; the next round retries
+                log.exception("maintenance round failed")
+
+    def ready(self) -> dict:
+        checks = {"database": ping(self.engine), "model": self.embedder is not None}
+        try:
+            self.index.info()
+            checks["index"] = True
+        except Exception:
+            checks["index"] = False
+        return checks
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+        self.index.close()
+        self.engine.dispose()

@@ -1,0 +1,157 @@
+"""Request and response models of the public HTTP API (field names follow mem0's)."""
+
+import re
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from memory_server.errors import InvalidInput
+
+SCOPE_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+_SCOPE_ID = re.compile(SCOPE_ID_PATTERN)
+
+ScopeId = Annotated[str, StringConstraints(pattern=SCOPE_ID_PATTERN)]
+
+
+def validate_scope_id(value: str, field: str) -> str:
+    if not isinstance(value, str) or not _SCOPE_ID.match(value):
+        raise InvalidInput(f"{field} must be 1-128 characters of A-Z a-z 0-9 . _ : @ -", field=field)
+    return value
+
+
+def _as_utc(value: datetime | None) -> datetime | None:
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc) if value is not None else None
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(BaseModel):
+    role: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    content: str
+    name: str | None = None
+
+
+class AddRequest(BaseModel):
+    """One add: `messages` (each non-system message becomes a memory) or `text`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: list[Message] | None = None
+    text: str | None = None
+    user_id: ScopeId | None = None
+    agent_id: ScopeId | None = None
+    run_id: ScopeId | None = None
+    metadata: dict[str, Any] | None = None
+    expires_at: UtcDatetime | None = None
+    infer: bool = False
+
+
+class BatchAddRequest(BaseModel):
+    items: list[AddRequest] = Field(min_length=1)
+
+
+class AddResult(BaseModel):
+    id: str
+    memory: str
+    event: Literal["ADD", "UPDATE", "NOOP"]
+
+
+class AddResponse(BaseModel):
+    results: list[AddResult]
+    warnings: list[str] = Field(default_factory=list)
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    query: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    filters: dict[str, Any] | None = None
+    top_k: int = Field(10, ge=1, le=100)
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    mode: Literal["hybrid", "dense", "keyword"] = "hybrid"
+    # mem0 OSS style: scope ids at the top level are ANDed into `filters`.
+    user_id: ScopeId | None = None
+    agent_id: ScopeId | None = None
+    run_id: ScopeId | None = None
+
+
+class UpdateRequest(_Strict):
+    text: str | None = None
+    metadata: dict[str, Any] | None = None
+    expires_at: UtcDatetime | None = None
+
+
+class MemoryOut(BaseModel):
+    id: str
+    memory: str
+    user_id: str | None
+    agent_id: str | None
+    run_id: str | None
+    metadata: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime | None
+    hash: str
+
+
+class ScoredMemory(MemoryOut):
+    score: float
+
+
+class SearchResponse(BaseModel):
+    results: list[ScoredMemory]
+
+
+class MemoryPage(BaseModel):
+    results: list[MemoryOut]
+    next_cursor: str | None
+
+
+class DeleteResponse(BaseModel):
+    deleted: int
+
+
+class HistoryEntry(BaseModel):
+    event: Literal["ADD", "UPDATE", "DELETE"]
+    old_memory: str | None
+    new_memory: str | None
+    actor: str
+    created_at: datetime
+
+
+class HistoryResponse(BaseModel):
+    results: list[HistoryEntry]
+
+
+class KeyCreate(_Strict):
+    role: Literal["admin", "agent"]
+    user_ids: list[ScopeId] = Field(default_factory=list)
+    agent_ids: list[ScopeId] = Field(default_factory=list)
+    label: Annotated[str, StringConstraints(max_length=200)] | None = None
+
+
+class KeyPublic(BaseModel):
+    id: str
+    tenant_id: str
+    role: str
+    user_ids: list[str]
+    agent_ids: list[str]
+    label: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyPublic):
+    key: str
+
+
+class KeyList(BaseModel):
+    results: list[KeyPublic]

@@ -1,0 +1,1 @@
+"""The domain: one module per memory mode, no FastAPI imports."""

@@ -1,0 +1,99 @@
+"""Keeps a vector index in step with the SQL change log: ordered, idempotent, resumable."""
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+from sqlalchemy import func
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from memory_server.models import ChangeLogEntry, MemoryRecord
+from memory_server.services.filters import NEVER
+from memory_server.storage.vectors import IndexPoint, VectorIndex
+from memory_server.storage.vectors.sparse import SparseEncoder
+
+
+def point_for(row: MemoryRecord, sparse: SparseEncoder) -> IndexPoint:
+    payload = {
+        "tenant": row.tenant_id,
+        # "" stands for "not set": scope ids are never empty, and a keyword match stays exact.
+        "user_id": row.user_id or "",
+        "agent_id": row.agent_id or "",
+        "run_id": row.run_id or "",
+        "created_at": row.created_at.timestamp(),
+        "updated_at": row.updated_at.timestamp(),
+        "expires_at": row.expires_at.timestamp() if row.expires_at else NEVER,
+        "metadata": row.meta,
+    }
+    dense = np.frombuffer(row.embedding, dtype=np.float32).tolist()
+    return IndexPoint(row.id, dense, sparse.document(row.text), payload)
+
+
+class IndexSync:
+    """Applies change-log entries after the index's recorded position, in order."""
+
+    def __init__(self, engine: Engine, index: VectorIndex, sparse: SparseEncoder, batch_size: int = 1000):
+        self.engine = engine
+        self.index = index
+        self.sparse = sparse
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+        self.applied_since_optimize = 0
+
+    def head(self) -> int:
+        with Session(self.engine) as session:
+            return session.exec(select(func.max(ChangeLogEntry.position))).one() or 0
+
+    def catch_up(self) -> int:
+        """Apply everything committed so far; returns how many entries were applied."""
+        applied = 0
+        with self._lock:
+            while True:
+                position = self.index.applied_position()
+                with Session(self.engine) as session:
+                    entries = session.exec(
+                        select(ChangeLogEntry)
+                        .where(ChangeLogEntry.position > position)
+                        .order_by(ChangeLogEntry.position)
+                        .limit(self.batch_size)
+                    ).all()
+                    if not entries:
+                        return applied
+                    self._apply(session, [e.memory_id for e in entries])
+                self.index.set_applied_position(entries[-1].position)
+                applied += len(entries)
+                self.applied_since_optimize += len(entries)
+
+    def _apply(self, session: Session, memory_ids: list[str]) -> None:
+        # Entries only name what changed; the row as it is now is the truth. A row that is gone
+        # is deleted from the index, so replay can never resurrect a deleted memory.
+        wanted = list(dict.fromkeys(memory_ids))
+        rows = {r.id: r for r in session.exec(select(MemoryRecord).where(col(MemoryRecord.id).in_(wanted)))}
+        self.index.upsert([point_for(rows[i], self.sparse) for i in wanted if i in rows])
+        self.index.delete([i for i in wanted if i not in rows])
+
+    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Rebuild the index from SQL alone (stored embeddings: nothing is re-embedded)."""
+        with self._lock:
+            head = self.head()
+            self.index.reset()
+            with Session(self.engine) as session:
+                total = session.exec(select(func.count()).select_from(MemoryRecord)).one()
+                done, last_id = 0, ""
+                while True:
+                    rows = session.exec(
+                        select(MemoryRecord).where(MemoryRecord.id > last_id).order_by(MemoryRecord.id).limit(self.batch_size)
+                    ).all()
+                    if not rows:
+                        break
+                    self.index.upsert([point_for(row, self.sparse) for row in rows])
+                    done, last_id = done + len(rows), rows[-1].id
+                    session.expunge_all()
+                    if progress:
+                        progress(done, total)
+            # Anything committed after `head` is replayed on top by the next catch_up.
+            self.index.set_applied_position(head)
+            self.index.optimize()
+            self.applied_since_optimize = 0
+            return done

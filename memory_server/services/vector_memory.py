@@ -1,0 +1,343 @@
+"""Vector memory: add (with dedup), search (dense, keyword, hybrid), list, update, delete, history."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import uuid
+from datetime import datetime
+
+import numpy as np
+from sqlalchemy import and_, delete as sql_delete, or_
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from memory_server.auth import Principal
+from memory_server.config import Settings
+from memory_server.embedding import Embedder
+from memory_server.errors import BadRequest, InvalidInput, NotFound
+from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, utcnow
+from memory_server.schemas import (
+    AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
+    UpdateRequest,
+)
+from memory_server.services.filters import bounds_scope, parse_filters, restrict
+from memory_server.services.index_sync import IndexSync
+from memory_server.storage.db import lock_change_log
+from memory_server.storage.vectors import IndexQuery, VectorIndex
+from memory_server.storage.vectors.filters import All, Condition, Field
+from memory_server.storage.vectors.sparse import SparseEncoder
+
+Scope = tuple[str | None, str | None, str | None]
+INFER_WARNING = "infer=true is not available yet: each message was stored as-is (infer=false)"
+
+
+def to_public(row: MemoryRecord) -> MemoryOut:
+    return MemoryOut(id=row.id, memory=row.text, user_id=row.user_id, agent_id=row.agent_id, run_id=row.run_id,
+                     metadata=row.meta, created_at=row.created_at, updated_at=row.updated_at,
+                     expires_at=row.expires_at, hash=row.hash)
+
+
+def text_hash(text: str) -> str:
+    return hashlib.md5(text.encode()).hexdigest()  # mem0's `hash` field: md5 of the memory text
+
+
+class VectorMemory:
+    def __init__(self, settings: Settings, engine: Engine, embedder: Embedder, index: VectorIndex,
+                 sync: IndexSync, sparse: SparseEncoder):
+        self.settings = settings
+        self.engine = engine
+        self.embedder = embedder
+        self.index = index
+        self.sync = sync
+        self.sparse = sparse
+
+    # -- add -------------------------------------------------------------------------------
+    def add(self, principal: Principal, request: AddRequest) -> AddResponse:
+        return self._add(principal, [request], batch=False)
+
+    def add_batch(self, principal: Principal, items: list[AddRequest]) -> AddResponse:
+        if len(items) > self.settings.max_batch_items:
+            raise InvalidInput(f"a batch holds at most {self.settings.max_batch_items} items", field="items")
+        return self._add(principal, items, batch=True)
+
+    def _add(self, principal: Principal, items: list[AddRequest], *, batch: bool) -> AddResponse:
+        now = utcnow()
+        planned: list[tuple[Scope, str, dict, datetime | None]] = []
+        warnings: list[str] = []
+        for i, item in enumerate(items):
+            prefix = f"items[{i}]." if batch else ""
+            user_id, agent_id = principal.resolve_write_scope(item.user_id, item.agent_id)
+            scope = (user_id, agent_id, item.run_id)
+            if not any(scope):
+                raise InvalidInput("at least one of user_id, agent_id, run_id is required", field=f"{prefix}user_id")
+            if item.expires_at is not None and item.expires_at <= now:
+                raise InvalidInput("expires_at is in the past", field=f"{prefix}expires_at")
+            if item.infer and INFER_WARNING not in warnings:
+                warnings.append(INFER_WARNING)
+            for text, extra in self._texts_of(item, prefix):
+                planned.append((scope, text, {**(item.metadata or {}), **extra}, item.expires_at))
+        if len(planned) > self.settings.max_batch_items:
+            raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories", field="items")
+
+        vectors = self.embedder.embed([text for _, text, _, _ in planned])
+        results: list[AddResult] = []
+        with Session(self.engine) as session:
+            existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(t) for _, t, _, _ in planned], now)
+            added: list[tuple[Scope, np.ndarray, str]] = []
+            for (scope, text, metadata, expires_at), vector in zip(planned, vectors):
+                digest = text_hash(text)
+                duplicate = existing.get((scope, digest)) or self._near_duplicate(principal, scope, vector, added, now)
+                if duplicate:
+                    results.append(AddResult(id=duplicate, memory=text, event="NOOP"))
+                    continue
+                row = MemoryRecord(id=str(uuid.uuid4()), tenant_id=principal.tenant_id, user_id=scope[0],
+                                   agent_id=scope[1], run_id=scope[2], text=text, hash=digest, meta=metadata,
+                                   embedding=vector.tobytes(), created_at=now, updated_at=now, expires_at=expires_at)
+                session.add(row)
+                self._record(session, row, "ADD", None, text, principal.key_id, "upsert")
+                existing[(scope, digest)] = row.id
+                added.append((scope, vector, row.id))
+                results.append(AddResult(id=row.id, memory=text, event="ADD"))
+            session.commit()
+        self.sync.catch_up()
+        return AddResponse(results=results, warnings=warnings)
+
+    def _texts_of(self, item: AddRequest, prefix: str) -> list[tuple[str, dict]]:
+        if (item.text is None) == (item.messages is None):
+            raise InvalidInput("give exactly one of `messages` or `text`", field=f"{prefix}messages")
+        if item.text is not None:
+            candidates = [(item.text, {}, f"{prefix}text")]
+        else:
+            candidates = [(m.content, {"role": m.role}, f"{prefix}messages[{j}].content")
+                          for j, m in enumerate(item.messages) if m.role != "system"]
+            if not candidates:
+                raise InvalidInput("`messages` holds no non-system message", field=f"{prefix}messages")
+        out = []
+        for text, extra, field in candidates:
+            text = text.strip()
+            self._check_text(text, field)
+            out.append((text, extra))
+        return out
+
+    def _check_text(self, text: str, field: str) -> None:
+        if not text:
+            raise InvalidInput("memory text must not be empty", field=field)
+        if len(text.encode()) > self.settings.max_memory_bytes:
+            raise InvalidInput(f"memory text exceeds {self.settings.max_memory_bytes} bytes", field=field)
+
+    def _exact_duplicates(self, session: Session, tenant_id: str, hashes: list[str], now: datetime) -> dict:
+        rows = session.exec(
+            select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash)
+            .where(MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_(set(hashes)), _alive(now))
+        ).all()
+        return {((u, a, r), h): i for i, u, a, r, h in rows}
+
+    def _near_duplicate(self, principal: Principal, scope: Scope, vector: np.ndarray,
+                        added: list[tuple[Scope, np.ndarray, str]], now: datetime) -> str | None:
+        threshold = self.settings.dedup_threshold
+        for other_scope, other_vector, other_id in added:
+            if other_scope == scope and float(np.dot(vector, other_vector)) >= threshold:
+                return other_id
+        condition = All((
+            Field("tenant", "eq", principal.tenant_id),
+            *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), scope)),
+            Field("expires_at", "gt", now.timestamp()),
+        ))
+        hits = self.index.search(IndexQuery(mode="dense", filter=condition, limit=1, dense=vector.tolist()))
+        return hits[0].id if hits and hits[0].score >= threshold else None
+
+    def _record(self, session: Session, row: MemoryRecord, event: str, old: str | None, new: str | None,
+                actor: str, op: str) -> None:
+        lock_change_log(session)
+        now = utcnow()
+        session.add(MemoryHistory(memory_id=row.id, tenant_id=row.tenant_id, user_id=row.user_id,
+                                  agent_id=row.agent_id, event=event, old_memory=old, new_memory=new, actor=actor,
+                                  created_at=now))
+        session.add(ChangeLogEntry(tenant_id=row.tenant_id, memory_id=row.id, op=op, created_at=now))
+
+    # -- search ----------------------------------------------------------------------------
+    def search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
+        parts: list[Condition] = []
+        if request.filters is not None:
+            parts.append(parse_filters(request.filters))
+        for name in ("user_id", "agent_id", "run_id"):
+            if getattr(request, name) is not None:
+                parts.append(Field(name, "eq", getattr(request, name)))
+        condition = All(tuple(parts)) if parts else None
+        if not (principal.user_ids or principal.agent_ids or (condition is not None and bounds_scope(condition))):
+            raise InvalidInput("a search must name at least one of user_id, agent_id, run_id in filters",
+                               field="filters")
+        now = utcnow()
+        full = All((restrict(principal, condition), Field("expires_at", "gt", now.timestamp())))
+        settings = self.settings
+        weights = (settings.hybrid_dense_weight, settings.hybrid_keyword_weight)
+        query = IndexQuery(
+            mode=request.mode,
+            filter=full,
+            limit=request.top_k,
+            dense=self.embedder.embed_query(request.query).tolist() if request.mode != "keyword" else None,
+            sparse=self.sparse.query(request.query) if request.mode != "dense" else None,
+            candidates=max(settings.search_candidates, request.top_k),
+            rrf_k=settings.rrf_k,
+            weights=weights,
+        )
+        hits = self.index.search(query)
+        used = weights[0] + (weights[1] if query.sparse and query.sparse.indices else 0.0)
+        scored = [(hit.id, normalize_score(request.mode, hit.score, settings.rrf_k, used)) for hit in hits]
+        if request.threshold is not None:
+            scored = [(i, s) for i, s in scored if s >= request.threshold]
+        if not scored:
+            return []
+        with Session(self.engine) as session:
+            rows = {r.id: r for r in session.exec(
+                select(MemoryRecord).where(MemoryRecord.tenant_id == principal.tenant_id,
+                                           col(MemoryRecord.id).in_([i for i, _ in scored]), _alive(now)))}
+        return [ScoredMemory(**to_public(rows[i]).model_dump(), score=s) for i, s in scored if i in rows]
+
+    # -- read, update, delete --------------------------------------------------------------
+    def _load(self, session: Session, principal: Principal, memory_id: str) -> MemoryRecord:
+        row = session.get(MemoryRecord, memory_id) if len(memory_id) <= 36 else None
+        if (row is None or row.tenant_id != principal.tenant_id or not principal.can_see(row.user_id, row.agent_id)
+                or (row.expires_at is not None and row.expires_at <= utcnow())):
+            raise NotFound(f"no memory '{memory_id}'")
+        return row
+
+    def get(self, principal: Principal, memory_id: str) -> MemoryOut:
+        with Session(self.engine) as session:
+            return to_public(self._load(session, principal, memory_id))
+
+    def list(self, principal: Principal, *, user_id: str | None = None, agent_id: str | None = None,
+             run_id: str | None = None, limit: int = 100, cursor: str | None = None) -> MemoryPage:
+        now = utcnow()
+        with Session(self.engine) as session:
+            query = select(MemoryRecord).where(
+                *self._scope_clauses(principal, user_id, agent_id, run_id), _alive(now))
+            if cursor:
+                created, last_id = _decode_cursor(cursor)
+                query = query.where(or_(MemoryRecord.created_at < created,
+                                        and_(MemoryRecord.created_at == created, MemoryRecord.id < last_id)))
+            rows = session.exec(query.order_by(col(MemoryRecord.created_at).desc(), col(MemoryRecord.id).desc())
+                                .limit(limit + 1)).all()
+        page = [to_public(r) for r in rows[:limit]]
+        next_cursor = _encode_cursor(rows[limit - 1]) if len(rows) > limit else None
+        return MemoryPage(results=page, next_cursor=next_cursor)
+
+    def _scope_clauses(self, principal: Principal, user_id, agent_id, run_id) -> list:
+        clauses = [MemoryRecord.tenant_id == principal.tenant_id]
+        for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
+            principal.check_value(name, value)
+            if value is not None:
+                clauses.append(getattr(MemoryRecord, name) == value)
+        if principal.user_ids:
+            clauses.append(col(MemoryRecord.user_id).in_(principal.user_ids))
+        if principal.agent_ids:
+            clauses.append(col(MemoryRecord.agent_id).in_(principal.agent_ids))
+        return clauses
+
+    def update(self, principal: Principal, memory_id: str, request: UpdateRequest) -> MemoryOut:
+        given = request.model_fields_set
+        if not given & {"text", "metadata", "expires_at"}:
+            raise InvalidInput("give at least one of text, metadata, expires_at", field="text")
+        now = utcnow()
+        with Session(self.engine) as session:
+            row = self._load(session, principal, memory_id)
+            old_text = row.text
+            if "text" in given:
+                text = (request.text or "").strip()
+                self._check_text(text, "text")
+                if text != row.text:
+                    row.text, row.hash = text, text_hash(text)
+                    row.embedding = self.embedder.embed([text])[0].tobytes()
+            if "metadata" in given:
+                row.meta = request.metadata or {}
+            if "expires_at" in given:
+                if request.expires_at is not None and request.expires_at <= now:
+                    raise InvalidInput("expires_at is in the past", field="expires_at")
+                row.expires_at = request.expires_at
+            row.updated_at = now
+            session.add(row)
+            self._record(session, row, "UPDATE", old_text, row.text, principal.key_id, "upsert")
+            session.commit()
+            session.refresh(row)
+            result = to_public(row)
+        self.sync.catch_up()
+        return result
+
+    def delete(self, principal: Principal, memory_id: str) -> int:
+        with Session(self.engine) as session:
+            row = self._load(session, principal, memory_id)
+            self._delete_rows(session, [row], principal.key_id)
+            session.commit()
+        self.sync.catch_up()
+        return 1
+
+    def delete_scope(self, principal: Principal, *, user_id: str | None = None, agent_id: str | None = None,
+                     run_id: str | None = None) -> int:
+        if not (user_id or agent_id or run_id):
+            raise InvalidInput("name at least one of user_id, agent_id, run_id", field="user_id")
+        with Session(self.engine) as session:
+            rows = session.exec(select(MemoryRecord).where(*self._scope_clauses(principal, user_id, agent_id, run_id))).all()
+            self._delete_rows(session, rows, principal.key_id)
+            session.commit()
+        self.sync.catch_up()
+        return len(rows)
+
+    def _delete_rows(self, session: Session, rows: list[MemoryRecord], actor: str) -> None:
+        for row in rows:
+            self._record(session, row, "DELETE", row.text, None, actor, "delete")
+        ids = [row.id for row in rows]
+        for start in range(0, len(ids), 500):
+            session.exec(sql_delete(MemoryRecord).where(col(MemoryRecord.id).in_(ids[start:start + 500])))
+
+    def purge_expired(self, limit: int = 1000) -> int:
+        now = utcnow()
+        with Session(self.engine) as session:
+            rows = session.exec(select(MemoryRecord).where(col(MemoryRecord.expires_at).is_not(None),
+                                                           MemoryRecord.expires_at <= now).limit(limit)).all()
+            if not rows:
+                return 0
+            self._delete_rows(session, rows, "system:expiry")
+            session.commit()
+        self.sync.catch_up()
+        return len(rows)
+
+    def history(self, principal: Principal, memory_id: str) -> list[HistoryEntry]:
+        with Session(self.engine) as session:
+            rows = session.exec(select(MemoryHistory).where(MemoryHistory.memory_id == memory_id,
+                                                            MemoryHistory.tenant_id == principal.tenant_id)
+                                .order_by(MemoryHistory.id)).all()
+        if not rows or not principal.can_see(rows[0].user_id, rows[0].agent_id):
+            raise NotFound(f"no memory '{memory_id}'")
+        return [HistoryEntry(event=r.event, old_memory=r.old_memory, new_memory=r.new_memory, actor=r.actor,
+                             created_at=r.created_at) for r in rows]
+
+
+def normalize_score(mode: str, raw: float, rrf_k: int, total_weight: float) -> float:
+    """Map a backend score into [0, 1]; docs/vector-memory.md says what each mode's score means."""
+    if mode == "dense":
+        value = raw  # cosine similarity
+    elif mode == "keyword":
+        value = raw / (raw + 1.0)  # BM25 squashed: 0 = no match, 0.5 = BM25 of 1, -> 1 as BM25 grows
+    else:
+        value = raw * rrf_k / total_weight if total_weight else 0.0  # 1.0 = ranked first by every retriever
+    return round(min(1.0, max(0.0, value)), 6)
+
+
+def _alive(now: datetime):
+    return or_(col(MemoryRecord.expires_at).is_(None), MemoryRecord.expires_at > now)
+
+
+def _encode_cursor(row: MemoryRecord) -> str:
+    raw = json.dumps([row.created_at.isoformat(), row.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        created, last_id = json.loads(base64.urlsafe_b64decode(padded))
+        return datetime.fromisoformat(created), str(last_id)
+    except Exception:
+        raise BadRequest("cursor is not one this server issued", field="cursor", code="invalid_cursor") from None

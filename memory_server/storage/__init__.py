@@ -1,0 +1,1 @@
+"""Storage: the SQL engine and the vector indexes derived from it."""

@@ -1,0 +1,74 @@
+"""The one adapter interface of our own: a vector index (Qdrant Edge in-process or a Qdrant server)."""
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from memory_server.storage.vectors.filters import Condition
+
+SearchMode = Literal["dense", "keyword", "hybrid"]
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    indices: list[int]
+    values: list[float]
+
+
+@dataclass(frozen=True)
+class IndexPoint:
+    id: str
+    dense: list[float]
+    sparse: SparseVector
+    payload: dict
+
+
+@dataclass(frozen=True)
+class IndexQuery:
+    mode: SearchMode
+    filter: Condition
+    limit: int
+    dense: list[float] | None = None
+    sparse: SparseVector | None = None
+    candidates: int = 100
+    rrf_k: int = 60
+    weights: tuple[float, float] = (1.0, 1.0)  # (dense, keyword) in hybrid fusion
+
+
+@dataclass(frozen=True)
+class Hit:
+    id: str
+    score: float  # raw backend score: cosine, BM25 or RRF
+
+
+@dataclass
+class IndexInfo:
+    backend: str
+    dimension: int
+    points: int
+    applied_position: int
+    extra: dict = field(default_factory=dict)
+
+
+class VectorIndex(Protocol):
+    """Derived from SQL; every method is idempotent so change-log replay is always safe."""
+
+    dimension: int
+
+    def upsert(self, points: list[IndexPoint]) -> None: ...
+
+    def delete(self, ids: list[str]) -> None: ...
+
+    def search(self, query: IndexQuery) -> list[Hit]: ...
+
+    def applied_position(self) -> int: ...
+
+    def set_applied_position(self, position: int) -> None: ...
+
+    def reset(self) -> None:
+        """Drop every point (reindex starts from here); position goes back to 0."""
+
+    def optimize(self) -> None: ...
+
+    def info(self) -> IndexInfo: ...
+
+    def close(self) -> None: ...

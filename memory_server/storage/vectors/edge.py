@@ -1,0 +1,151 @@
+"""Qdrant Edge: the real Qdrant engine in-process, one shard in the data directory."""
+
+import shutil
+import threading
+from pathlib import Path
+
+import qdrant_edge as qe
+
+from memory_server.errors import StartupError
+from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
+from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
+
+META_ID = "00000000-0000-0000-0000-000000000000"
+KEYWORD_FIELDS = ("user_id", "agent_id", "run_id")
+FLOAT_FIELDS = ("created_at", "updated_at", "expires_at")
+
+
+class EdgeIndex:
+    def __init__(self, path: Path, dimension: int, model: str):
+        self.path = Path(path)
+        self.dimension = dimension
+        self.model = model
+        self._lock = threading.Lock()
+        self._position = 0
+        self._shard = self._open()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _config(self) -> qe.EdgeConfig:
+        return qe.EdgeConfig(
+            vectors={"dense": qe.EdgeVectorParams(size=self.dimension, distance=qe.Distance.Cosine)},
+            sparse_vectors={"bm25": qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
+        )
+
+    def _open(self) -> qe.EdgeShard:
+        if self.path.exists() and any(self.path.iterdir()):
+            shard = qe.EdgeShard.load(str(self.path))
+            meta = shard.retrieve([META_ID], True, False)
+            if not meta:
+                raise StartupError(f"vector index at {self.path} has no metadata point; run `memory-server reindex`")
+            payload = meta[0].payload or {}
+            stored = int(payload.get("dimension", -1))
+            if stored != self.dimension:
+                shard.close()
+                raise StartupError(
+                    f"vector index at {self.path} holds {stored}-dimensional vectors but the embedding model "
+                    f"'{self.model}' makes {self.dimension}; keep the old model or run `memory-server reindex`"
+                )
+            self._position = int(payload.get("position", 0))
+            return shard
+        self.path.mkdir(parents=True, exist_ok=True)
+        shard = qe.EdgeShard.create(str(self.path), self._config())
+        shard.update(qe.UpdateOperation.create_field_index("tenant", qe.KeywordIndexParams(is_tenant=True)))
+        for name in KEYWORD_FIELDS:
+            shard.update(qe.UpdateOperation.create_field_index(name, qe.PayloadSchemaType.Keyword))
+        for name in FLOAT_FIELDS:
+            shard.update(qe.UpdateOperation.create_field_index(name, qe.PayloadSchemaType.Float))
+        self._position = 0
+        self._write_meta(shard, 0)
+        shard.flush()
+        return shard
+
+    def _write_meta(self, shard: qe.EdgeShard, position: int) -> None:
+        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model}
+        shard.update(qe.UpdateOperation.upsert_points([qe.Point(META_ID, {}, payload)]))
+
+    def close(self) -> None:
+        with self._lock:
+            self._shard.flush()
+            self._shard.close()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._shard.close()
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._shard = self._open()
+
+    # -- writes ----------------------------------------------------------------------------
+    def upsert(self, points: list[IndexPoint]) -> None:
+        if not points:
+            return
+        edge_points = [
+            qe.Point(p.id, {"dense": p.dense, "bm25": qe.SparseVector(p.sparse.indices, p.sparse.values)}, p.payload)
+            for p in points
+        ]
+        self._shard.update(qe.UpdateOperation.upsert_points(edge_points))
+
+    def delete(self, ids: list[str]) -> None:
+        if ids:
+            self._shard.update(qe.UpdateOperation.delete_points(list(ids)))
+
+    def applied_position(self) -> int:
+        return self._position
+
+    def set_applied_position(self, position: int) -> None:
+        # The meta point goes through the same WAL after the data it covers, so a crash
+        # never leaves a position ahead of the points it claims.
+        self._write_meta(self._shard, position)
+        self._position = position
+
+    def optimize(self) -> None:
+        self._shard.optimize()
+
+    # -- reads -----------------------------------------------------------------------------
+    def search(self, query: IndexQuery) -> list[Hit]:
+        flt = qe.Filter(must=[_translate(query.filter)])
+        if query.mode == "dense":
+            request = qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)
+        elif query.mode == "keyword":
+            if not query.sparse or not query.sparse.indices:
+                return []
+            sparse = qe.SparseVector(query.sparse.indices, query.sparse.values)
+            request = qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt)
+        else:
+            prefetches = [qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)]
+            weights = [query.weights[0]]
+            if query.sparse and query.sparse.indices:
+                sparse = qe.SparseVector(query.sparse.indices, query.sparse.values)
+                prefetches.append(qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt))
+                weights.append(query.weights[1])
+            request = qe.QueryRequest(
+                limit=query.limit, prefetches=prefetches, query=qe.Fusion.Rrf(k=query.rrf_k, weights=weights), filter=flt
+            )
+        return [Hit(str(p.id), float(p.score)) for p in self._shard.query(request)]
+
+    def info(self) -> IndexInfo:
+        info = self._shard.info()
+        return IndexInfo("qdrant-edge", self.dimension, max(0, info.points_count - 1), self._position,
+                         {"segments": info.segments_count, "path": str(self.path)})
+
+
+def _translate(node: Condition):
+    if isinstance(node, All):
+        return qe.Filter(must=[_translate(item) for item in node.items])
+    if isinstance(node, Any_):
+        return qe.Filter(should=[_translate(item) for item in node.items])
+    if isinstance(node, Not):
+        return qe.Filter(must_not=[_translate(node.item)])
+    return _field(node)
+
+
+def _field(leaf: Field):
+    key, op, value = leaf.key, leaf.op, leaf.value
+    if op == "eq":
+        if isinstance(value, float):
+            return qe.FieldCondition(key, range=qe.RangeFloat(gte=value, lte=value))
+        return qe.FieldCondition(key, match=qe.MatchValue(value))
+    if op == "in":
+        return qe.FieldCondition(key, match=qe.MatchAny(list(value)))
+    if op == "substring":
+        return qe.FieldCondition(key, match=qe.MatchSubstring(value))
+    return qe.FieldCondition(key, range=qe.RangeFloat(**{op: value}))

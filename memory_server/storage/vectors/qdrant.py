@@ -1,0 +1,136 @@
+"""A Qdrant server (or cluster) through qdrant-client, behind the same VectorIndex interface."""
+
+from qdrant_client import QdrantClient, models
+
+from memory_server.errors import StartupError
+from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
+from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID
+from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
+
+
+class QdrantServerIndex:
+    def __init__(self, client: QdrantClient, collection: str, dimension: int, model: str):
+        self.client = client
+        self.collection = collection
+        self.dimension = dimension
+        self.model = model
+        self._position = 0
+        self._open()
+
+    def _open(self) -> None:
+        if self.client.collection_exists(self.collection):
+            meta = self.client.retrieve(self.collection, [META_ID], with_payload=True)
+            stored = int(meta[0].payload.get("dimension", -1)) if meta else -1
+            if stored != self.dimension:
+                raise StartupError(
+                    f"Qdrant collection '{self.collection}' holds {stored}-dimensional vectors but the embedding "
+                    f"model '{self.model}' makes {self.dimension}; keep the old model or run `memory-server reindex`"
+                )
+            self._position = int(meta[0].payload.get("position", 0))
+            return
+        self.client.create_collection(
+            self.collection,
+            vectors_config={"dense": models.VectorParams(size=self.dimension, distance=models.Distance.COSINE)},
+            sparse_vectors_config={"bm25": models.SparseVectorParams(modifier=models.Modifier.IDF)},
+        )
+        self.client.create_payload_index(
+            self.collection, "tenant", models.KeywordIndexParams(type=models.KeywordIndexType.KEYWORD, is_tenant=True)
+        )
+        for name in KEYWORD_FIELDS:
+            self.client.create_payload_index(self.collection, name, models.PayloadSchemaType.KEYWORD)
+        for name in FLOAT_FIELDS:
+            self.client.create_payload_index(self.collection, name, models.PayloadSchemaType.FLOAT)
+        self.set_applied_position(0)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def reset(self) -> None:
+        self.client.delete_collection(self.collection)
+        self._open()
+
+    def upsert(self, points: list[IndexPoint]) -> None:
+        if not points:
+            return
+        self.client.upsert(
+            self.collection,
+            [
+                models.PointStruct(
+                    id=p.id,
+                    vector={"dense": p.dense, "bm25": models.SparseVector(indices=p.sparse.indices, values=p.sparse.values)},
+                    payload=p.payload,
+                )
+                for p in points
+            ],
+            wait=True,
+        )
+
+    def delete(self, ids: list[str]) -> None:
+        if ids:
+            self.client.delete(self.collection, models.PointIdsList(points=list(ids)), wait=True)
+
+    def applied_position(self) -> int:
+        return self._position
+
+    def set_applied_position(self, position: int) -> None:
+        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model}
+        self.client.upsert(self.collection, [models.PointStruct(id=META_ID, vector={}, payload=payload)], wait=True)
+        self._position = position
+
+    def optimize(self) -> None:
+        """A Qdrant server runs its optimizers on its own."""
+
+    def search(self, query: IndexQuery) -> list[Hit]:
+        flt = models.Filter(must=[_translate(query.filter)])
+        sparse = None
+        if query.sparse and query.sparse.indices:
+            sparse = models.SparseVector(indices=query.sparse.indices, values=query.sparse.values)
+        if query.mode == "dense":
+            response = self.client.query_points(
+                self.collection, query=query.dense, using="dense", query_filter=flt, limit=query.limit
+            )
+        elif query.mode == "keyword":
+            if sparse is None:
+                return []
+            response = self.client.query_points(self.collection, query=sparse, using="bm25", query_filter=flt, limit=query.limit)
+        else:
+            prefetch = [models.Prefetch(query=query.dense, using="dense", filter=flt, limit=query.candidates)]
+            weights = [query.weights[0]]
+            if sparse is not None:
+                prefetch.append(models.Prefetch(query=sparse, using="bm25", filter=flt, limit=query.candidates))
+                weights.append(query.weights[1])
+            response = self.client.query_points(
+                self.collection,
+                prefetch=prefetch,
+                query=models.RrfQuery(rrf=models.Rrf(k=query.rrf_k, weights=weights)),
+                query_filter=flt,
+                limit=query.limit,
+            )
+        return [Hit(str(p.id), float(p.score)) for p in response.points]
+
+    def info(self) -> IndexInfo:
+        count = self.client.count(self.collection, exact=True).count
+        return IndexInfo("qdrant", self.dimension, max(0, count - 1), self._position, {"collection": self.collection})
+
+
+def _translate(node: Condition):
+    if isinstance(node, All):
+        return models.Filter(must=[_translate(item) for item in node.items])
+    if isinstance(node, Any_):
+        return models.Filter(should=[_translate(item) for item in node.items])
+    if isinstance(node, Not):
+        return models.Filter(must_not=[_translate(node.item)])
+    return _field(node)
+
+
+def _field(leaf: Field):
+    key, op, value = leaf.key, leaf.op, leaf.value
+    if op == "eq":
+        if isinstance(value, float):
+            return models.FieldCondition(key=key, range=models.Range(gte=value, lte=value))
+        return models.FieldCondition(key=key, match=models.MatchValue(value=value))
+    if op == "in":
+        return models.FieldCondition(key=key, match=models.MatchAny(any=list(value)))
+    if op == "substring":
+        return models.FieldCondition(key=key, match=models.MatchSubstring(substring=value))
+    return models.FieldCondition(key=key, range=models.Range(**{op: value}))

@@ -33,8 +33,8 @@ def run_part(part, args):
         from bench import locomo
         locomo.main(args or [LOCOMO])
     elif part == "report":
-        from bench import report
-        print(report.write())
+        # matplotlib is in the bench venv only (the server's venv stays lean).
+        subprocess.run([MEM0_PYTHON, "-c", "from bench import report; print(report.write())"], cwd=ROOT, check=True)
 
 
 def main():

@@ -32,7 +32,7 @@ def _table(header, rows):
 def _plot_part1(ours, theirs):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    series = [(f"memory-server {m}", ours, m) for m in (ours or {}).get("search", {}).get(str(ours["sizes"][0]), {})]
+    series = [(f"memory-server {m}", ours, m) for m in ("hybrid", "dense")] if ours else []
     series += [("mem0 (embedded Qdrant)", theirs, "default")] if theirs else []
     for label, side, mode in series:
         sizes = [s for s in side["sizes"] if mode in side["search"].get(str(s), {})]
@@ -47,43 +47,48 @@ def _plot_part1(ours, theirs):
     plt.close(fig)
 
 
+def _get(side, *keys):
+    for k in keys:
+        side = side.get(k) if isinstance(side, dict) else None
+    return side
+
+
 def part1(ours, theirs):
     if not ours and not theirs:
         return "_Not run yet: `python -m bench mem0` and `python -m bench service`._\n"
     o, t = ours or {}, theirs or {}
+    adds = []
+    for label, key in (("one at a time", "add_single"), ("batched", "add_batched")):
+        a, b = _get(o, key, "per_s"), _get(t, key, "per_s")
+        adds.append([label, _f(a), _f(b), _ratio(a, b)])
     rows = []
-
-    def get(side, *keys):
-        for k in keys:
-            side = (side or {}).get(k) if isinstance(side, dict) else None
-        return side
-
-    rows.append(["add, one at a time (memories/s)", _f(get(o, "add_single", "per_s")),
-                 _f(get(t, "add_single", "per_s")), _ratio(get(o, "add_single", "per_s"), get(t, "add_single", "per_s"))])
-    rows.append(["add, batched (memories/s)", _f(get(o, "add_batched", "per_s")),
-                 _f(get(t, "add_batched", "per_s")), _ratio(get(o, "add_batched", "per_s"), get(t, "add_batched", "per_s"))])
     for size in o.get("sizes") or t.get("sizes") or []:
         for pct in ("p50_ms", "p95_ms", "p99_ms"):
-            theirs_ms = get(t, "search", str(size), "default", pct)
-            for mode in ("hybrid", "dense"):
-                ours_ms = get(o, "search", str(size), mode, pct)
-                rows.append([f"search {size:,} memories, {pct[:3]} ms (ours {mode})", _f(ours_ms, 2),
-                             _f(theirs_ms, 2), _ratio(ours_ms, theirs_ms)])
-    fills = [f"ours: {f['n']:,} to {f['to']:,} in {f['seconds']:.0f} s ({f['per_s']:.0f}/s)" for f in o.get("fill", [])]
-    fills += [f"mem0 fast fill: {f['n']:,} to {f['to']:,} in {f['seconds']:.0f} s ({f['per_s']:.0f}/s)"
+            hybrid, dense = (_get(o, "search", str(size), m, pct) for m in ("hybrid", "dense"))
+            mem0 = _get(t, "search", str(size), "default", pct)
+            rows.append([f"{size:,}", pct[:3], _f(hybrid, 2), _f(dense, 2), _f(mem0, 2),
+                         _ratio(hybrid, mem0), _ratio(dense, mem0)])
+    fills = [f"ours: {f['n']:,} more to {f['to']:,} in {f['seconds']:.0f} s ({f['per_s']:.0f}/s)" for f in o.get("fill", [])]
+    fills += [f"mem0 fast fill: {f['n']:,} more to {f['to']:,} in {f['seconds']:.0f} s ({f['per_s']:.0f}/s)"
               for f in t.get("fill", [])]
-    if ours and theirs:
-        IMG.mkdir(parents=True, exist_ok=True)
-        _plot_part1(ours, theirs)
+    IMG.mkdir(parents=True, exist_ok=True)
+    _plot_part1(ours, theirs)
     notes = "\n".join(f"- {n}" for n in (o.get("notes", []) + t.get("notes", []) + fills))
-    batched = (f"Batched: ours {get(o, 'add_batched', 'n')} memories in {get(o, 'add_batched', 'calls')} "
-               f"`add_batch` call(s); mem0 the same memories in {get(t, 'add_batched', 'calls')} `add(messages=[...])` "
-               "calls, one per user (mem0's add takes one scope and, with infer=False, embeds and inserts each "
-               "message on its own).")
-    plot = "\n\n![search latency](benchmarks/part1-search-latency.png)\n" if ours and theirs else "\n"
-    return (_table(["metric", "memory-server", "mem0 OSS", "ratio ours/theirs"], rows)
-            + "\n\nRatios: above 1 is better for throughput, below 1 is better for latency.\n\n"
-            + batched + "\n\n" + notes + plot)
+    batched = (f"One at a time: {_get(o, 'add_single', 'n') or _get(t, 'add_single', 'n')} adds, one per user, into "
+               f"an empty store. Batched: ours {_get(o, 'add_batched', 'n')} memories of 100 users in "
+               f"{_get(o, 'add_batched', 'calls')} `add_batch` call(s); mem0 the same memories in "
+               f"{_get(t, 'add_batched', 'calls')} `add(messages=[...])` calls, one per user (mem0's add takes one "
+               "scope and, with infer=False, embeds and inserts each message on its own).")
+    n_queries = ", ".join(f"{name} {size}: {_get(side, 'search', str(size), mode, 'n')}"
+                          for name, side, mode in (("ours", o, "hybrid"), ("mem0", t, "default"))
+                          for size in side.get("sizes", []))
+    return (_table(["add", "memory-server (memories/s)", "mem0 OSS (memories/s)", "ratio ours/theirs"], adds)
+            + "\n\n" + batched + "\n\n"
+            + _table(["memories", "pct", "ours hybrid ms", "ours dense ms", "mem0 ms", "ratio hybrid/mem0",
+                      "ratio dense/mem0"], rows)
+            + "\n\nRatios: above 1 is better for throughput, below 1 is better for latency. Timed searches per "
+            + f"size: {n_queries}.\n\n" + notes
+            + "\n\n![search latency](benchmarks/part1-search-latency.png)\n")
 
 
 def part3(http):
@@ -111,6 +116,7 @@ def part3(http):
             f"{http['machine']['cpus']}-core machine as the server (CPU columns: cores used by server / client).\n\n"
             + _table(["clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",
                       "CPU server / client"], rows)
+            + "\n\n" + "\n".join(f"- {n}" for n in http.get("notes", []))
             + "\n\n![http latency](benchmarks/part3-http-latency.png)\n")
 
 

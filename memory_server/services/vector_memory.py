@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
+import re
 import uuid
 from datetime import datetime
 
@@ -16,7 +18,7 @@ from sqlmodel import Session, col, select
 from memory_server.auth import Principal
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
-from memory_server.errors import BadRequest, InvalidInput, NotFound
+from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, utcnow
 from memory_server.schemas import (
     AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
@@ -29,7 +31,9 @@ from memory_server.storage.vectors import IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
 
+log = logging.getLogger("memory_server")
 Scope = tuple[str | None, str | None, str | None]
+TIE_MARGIN = 8  # extra hits fetched so that ties at the top_k boundary are cut deterministically
 INFER_WARNING = "infer=true is not available yet: each message was stored as-is (infer=false)"
 
 
@@ -52,6 +56,15 @@ class VectorMemory:
         self.index = index
         self.sync = sync
         self.sparse = sparse
+
+    def _publish(self) -> None:
+        """Apply the committed change to the index before answering (read-your-writes)."""
+        try:
+            self.sync.catch_up()
+        except Exception as exc:
+            log.exception("vector index apply failed")
+            raise Unavailable("the change is saved, but the vector index could not apply it yet; "
+                              "it is applied automatically once the index recovers") from exc
 
     # -- add -------------------------------------------------------------------------------
     def add(self, principal: Principal, request: AddRequest) -> AddResponse:
@@ -85,10 +98,11 @@ class VectorMemory:
         results: list[AddResult] = []
         with Session(self.engine) as session:
             existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(t) for _, t, _, _ in planned], now)
-            added: list[tuple[Scope, np.ndarray, str]] = []
+            added: list[tuple[Scope, np.ndarray, str, str]] = []
             for (scope, text, metadata, expires_at), vector in zip(planned, vectors):
                 digest = text_hash(text)
-                duplicate = existing.get((scope, digest)) or self._near_duplicate(principal, scope, vector, added, now)
+                duplicate = existing.get((scope, digest)) or self._near_duplicate(
+                    session, principal, scope, text, vector, added, now)
                 if duplicate:
                     results.append(AddResult(id=duplicate, memory=text, event="NOOP"))
                     continue
@@ -98,10 +112,10 @@ class VectorMemory:
                 session.add(row)
                 self._record(session, row, "ADD", None, text, principal.key_id, "upsert")
                 existing[(scope, digest)] = row.id
-                added.append((scope, vector, row.id))
+                added.append((scope, vector, row.id, text))
                 results.append(AddResult(id=row.id, memory=text, event="ADD"))
             session.commit()
-        self.sync.catch_up()
+        self._publish()
         return AddResponse(results=results, warnings=warnings)
 
     def _texts_of(self, item: AddRequest, prefix: str) -> list[tuple[str, dict]]:
@@ -134,19 +148,28 @@ class VectorMemory:
         ).all()
         return {((u, a, r), h): i for i, u, a, r, h in rows}
 
-    def _near_duplicate(self, principal: Principal, scope: Scope, vector: np.ndarray,
-                        added: list[tuple[Scope, np.ndarray, str]], now: datetime) -> str | None:
+    def _near_duplicate(self, session: Session, principal: Principal, scope: Scope, text: str, vector: np.ndarray,
+                        added: list[tuple[Scope, np.ndarray, str, str]], now: datetime) -> str | None:
+        """Same scope, cosine >= the dedup threshold, and the same numbers (so "order O-1002" and
+        "order O-1010", which MiniLM embeds almost identically, stay two memories)."""
         threshold = self.settings.dedup_threshold
-        for other_scope, other_vector, other_id in added:
-            if other_scope == scope and float(np.dot(vector, other_vector)) >= threshold:
+        numbers = _numbers(text)
+        for other_scope, other_vector, other_id, other_text in added:
+            if (other_scope == scope and float(np.dot(vector, other_vector)) >= threshold
+                    and _numbers(other_text) == numbers):
                 return other_id
         condition = All((
             Field("tenant", "eq", principal.tenant_id),
             *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), scope)),
             Field("expires_at", "gt", now.timestamp()),
         ))
-        hits = self.index.search(IndexQuery(mode="dense", filter=condition, limit=1, dense=vector.tolist()))
-        return hits[0].id if hits and hits[0].score >= threshold else None
+        hits = self.index.search(IndexQuery(mode="dense", filter=condition, limit=5, dense=vector.tolist()))
+        candidates = [hit.id for hit in hits if hit.score >= threshold]
+        if not candidates:
+            return None
+        rows = session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(candidates))).all()
+        texts = dict(rows)
+        return next((i for i in candidates if i in texts and _numbers(texts[i]) == numbers), None)
 
     def _record(self, session: Session, row: MemoryRecord, event: str, old: str | None, new: str | None,
                 actor: str, op: str) -> None:
@@ -176,7 +199,7 @@ class VectorMemory:
         query = IndexQuery(
             mode=request.mode,
             filter=full,
-            limit=request.top_k,
+            limit=request.top_k + TIE_MARGIN,
             dense=self.embedder.embed_query(request.query).tolist() if request.mode != "keyword" else None,
             sparse=self.sparse.query(request.query) if request.mode != "dense" else None,
             candidates=max(settings.search_candidates, request.top_k),
@@ -186,6 +209,9 @@ class VectorMemory:
         hits = self.index.search(query)
         used = weights[0] + (weights[1] if query.sparse and query.sparse.indices else 0.0)
         scored = [(hit.id, normalize_score(request.mode, hit.score, settings.rrf_k, used)) for hit in hits]
+        # Equal scores (common in RRF) are ordered by id, so every backend and every replica
+        # returns the same results in the same order.
+        scored = sorted(scored, key=lambda pair: (-pair[1], pair[0]))[:request.top_k]
         if request.threshold is not None:
             scored = [(i, s) for i, s in scored if s >= request.threshold]
         if not scored:
@@ -262,7 +288,7 @@ class VectorMemory:
             session.commit()
             session.refresh(row)
             result = to_public(row)
-        self.sync.catch_up()
+        self._publish()
         return result
 
     def delete(self, principal: Principal, memory_id: str) -> int:
@@ -270,7 +296,7 @@ class VectorMemory:
             row = self._load(session, principal, memory_id)
             self._delete_rows(session, [row], principal.key_id)
             session.commit()
-        self.sync.catch_up()
+        self._publish()
         return 1
 
     def delete_scope(self, principal: Principal, *, user_id: str | None = None, agent_id: str | None = None,
@@ -281,7 +307,7 @@ class VectorMemory:
             rows = session.exec(select(MemoryRecord).where(*self._scope_clauses(principal, user_id, agent_id, run_id))).all()
             self._delete_rows(session, rows, principal.key_id)
             session.commit()
-        self.sync.catch_up()
+        self._publish()
         return len(rows)
 
     def _delete_rows(self, session: Session, rows: list[MemoryRecord], actor: str) -> None:
@@ -300,7 +326,7 @@ class VectorMemory:
                 return 0
             self._delete_rows(session, rows, "system:expiry")
             session.commit()
-        self.sync.catch_up()
+        self._publish()
         return len(rows)
 
     def history(self, principal: Principal, memory_id: str) -> list[HistoryEntry]:
@@ -323,6 +349,13 @@ def normalize_score(mode: str, raw: float, rrf_k: int, total_weight: float) -> f
     else:
         value = raw * rrf_k / total_weight if total_weight else 0.0  # 1.0 = ranked first by every retriever
     return round(min(1.0, max(0.0, value)), 6)
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def _numbers(text: str) -> list[str]:
+    return sorted(_NUMBER.findall(text))
 
 
 def _alive(now: datetime):

@@ -10,20 +10,26 @@ from memory_server.storage.vectors import SparseVector
 # which would lose order ids like "O-1001". A letter prefix keeps them as ordinary tokens; the
 # same rewrite runs on documents and queries, so matching stays exact.
 _BARE_NUMBER = re.compile(r"(?<![A-Za-z0-9])(\d+)")
+# Dictionary segmentation keeps "吃火锅" as one word, so a search for "火锅" would miss it.
+# Overlapping character pairs of each CJK run are added as extra terms (the classic CJK bigram
+# approach), so any two-character word inside a longer one still matches.
+_CJK_RUN = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]{2,}")
+
+
+def prepare(text: str) -> str:
+    text = _BARE_NUMBER.sub(r"n\1", text)
+    pairs = [run[i:i + 2] for run in _CJK_RUN.findall(text) for i in range(len(run) - 1)]
+    return f"{text} {' '.join(pairs)}" if pairs else text
 
 
 class SparseEncoder:
     def __init__(self) -> None:
         self._bm25 = qdrant_edge.Bm25(qdrant_edge.Bm25Config(tokenizer=qdrant_edge.TokenizerType.Multilingual))
 
-    @staticmethod
-    def _prepare(text: str) -> str:
-        return _BARE_NUMBER.sub(r"n\1", text)
-
     def document(self, text: str) -> SparseVector:
-        vector = self._bm25.embed_document(self._prepare(text))
+        vector = self._bm25.embed_document(prepare(text))
         return SparseVector(list(vector.indices), list(vector.values))
 
     def query(self, text: str) -> SparseVector:
-        vector = self._bm25.embed_query(self._prepare(text))
+        vector = self._bm25.embed_query(prepare(text))
         return SparseVector(list(vector.indices), list(vector.values))

@@ -1,0 +1,464 @@
+"""Bad input over HTTP: every case gets its 4xx and the error JSON naming the field, and nothing is half-written."""
+
+import base64
+import json
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+
+MAX_BODY = 1024 * 1024
+MAX_TEXT = 32 * 1024
+PAST = "2000-01-01T00:00:00Z"
+USER_MESSAGE = {"role": "user", "content": "I like green tea"}
+MODES = ("hybrid", "dense", "keyword")
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def assert_error(response: httpx.Response, status: int, field: str | None = None, code: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"], body
+    error = body["error"]
+    assert set(error) == {"code", "message", "field"}, error
+    assert error["message"], error
+    assert error["field"] == field, error
+    if code is not None:
+        assert error["code"] == code, error
+
+
+def add_body(**fields) -> dict:
+    """A valid add body for user u1; a field given as None is left out."""
+    body = {"text": "I like green tea", "user_id": "u1", **fields}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def add(client: httpx.Client, text: str = "I like green tea", **scope) -> dict:
+    response = client.post("/v1/memories", json={"text": text, **(scope or {"user_id": "u1"})})
+    assert response.status_code == 200, response.text
+    (result,) = response.json()["results"]
+    return client.get(f"/v1/memories/{result['id']}").json()
+
+
+def assert_nothing_stored(client: httpx.Client) -> None:
+    """The admin key sees the whole tenant: neither listing nor any search mode finds a memory."""
+    listed = client.get("/v1/memories", params={"limit": 200})
+    assert listed.status_code == 200 and listed.json()["results"] == [], listed.text
+    for mode in MODES:
+        found = client.post("/v1/memories/search", json={"query": "green tea", "user_id": "u1", "mode": mode})
+        assert found.status_code == 200 and found.json()["results"] == [], (mode, found.text)
+
+
+def assert_unchanged(client: httpx.Client, before: dict) -> None:
+    after = client.get(f"/v1/memories/{before['id']}")
+    assert after.status_code == 200 and after.json() == before, after.text
+    history = client.get(f"/v1/memories/{before['id']}/history").json()["results"]
+    assert [entry["event"] for entry in history] == ["ADD"]
+
+
+def post_raw(client: httpx.Client, path: str, content, method: str = "POST") -> httpx.Response:
+    return client.request(method, path, content=content, headers={"Content-Type": "application/json"})
+
+
+def cursor_of(value) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+
+@pytest.fixture
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+# -- authentication and authorization -------------------------------------------------------------
+def test_request_without_authorization_header_is_401(server, client):
+    with httpx.Client(base_url=server.url, timeout=30) as anonymous:
+        assert_error(anonymous.get("/v1/memories"), 401, code="unauthorized")
+        assert_error(anonymous.post("/v1/memories", json=add_body()), 401, code="unauthorized")
+    assert_nothing_stored(client)
+
+
+MALFORMED_AUTHORIZATION = ["Basic dXNlcjpwYXNz", "Bearer", "{key}", "Bearer{key}", "Key {key}",
+                           "Bearer {key}x", "Bearer x{key}"]
+
+
+def test_malformed_authorization_header_is_401(server, client, subtests):
+    for header in MALFORMED_AUTHORIZATION:
+        with subtests.test(header=header), httpx.Client(
+                base_url=server.url, headers={"Authorization": header.format(key=server.admin_key)}, timeout=30) as c:
+            assert_error(c.post("/v1/memories", json=add_body()), 401, code="unauthorized")
+    assert_nothing_stored(client)
+
+
+def test_both_bearer_and_token_schemes_carry_a_valid_key(server):
+    for scheme in ("Bearer", "Token", "bearer"):
+        headers = {"Authorization": f"{scheme} {server.admin_key}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=30) as c:
+            assert c.get("/v1/memories").status_code == 200, scheme
+
+
+def test_unknown_key_is_401(server, client):
+    for header in ("Bearer msk_" + "A" * 43, "Token msk_" + "A" * 43, "Bearer not-a-key"):
+        with httpx.Client(base_url=server.url, headers={"Authorization": header}, timeout=30) as c:
+            assert_error(c.post("/v1/memories", json=add_body()), 401, code="unauthorized")
+    assert_nothing_stored(client)
+
+
+def test_revoked_key_is_401(server, client):
+    created = client.post("/v1/admin/keys", json={"role": "agent"}).json()
+    assert client.delete(f"/v1/admin/keys/{created['id']}").status_code == 200
+    with server.client(created["key"]) as revoked:
+        assert_error(revoked.post("/v1/memories", json=add_body()), 401, code="unauthorized")
+        assert_error(revoked.get("/v1/memories"), 401, code="unauthorized")
+    assert_nothing_stored(client)
+
+
+def test_agent_key_on_admin_keys_api_is_403(server, client):
+    with server.client(server.create_key("agent")) as agent:
+        assert_error(agent.get("/v1/admin/keys"), 403, code="forbidden")
+        assert_error(agent.post("/v1/admin/keys", json={"role": "admin"}), 403, code="forbidden")
+        own_id = client.get("/v1/admin/keys").json()["results"][0]["id"]
+        assert_error(agent.delete(f"/v1/admin/keys/{own_id}"), 403, code="forbidden")
+
+
+# -- sizes -----------------------------------------------------------------------------------------
+def test_body_over_one_mib_with_content_length_is_413(client):
+    body = json.dumps(add_body(text="a" * MAX_BODY)).encode()
+    assert len(body) > MAX_BODY
+    response = post_raw(client, "/v1/memories", body)
+    assert_error(response, 413, code="payload_too_large")
+    assert_nothing_stored(client)
+
+
+def test_chunked_body_over_one_mib_is_413(client):
+    def chunks():  # no Content-Length: httpx sends Transfer-Encoding: chunked
+        yield b'{"user_id": "u1", "text": "'
+        for _ in range(MAX_BODY // 65536 + 1):
+            yield b"a" * 65536
+        yield b'"}'
+
+    response = post_raw(client, "/v1/memories", chunks())
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert_error(response, 413, code="payload_too_large")
+    assert_nothing_stored(client)
+
+
+def test_memory_text_over_32_kib_is_422(client):
+    too_long = {"ascii": "a" * (MAX_TEXT + 1), "multi-byte": "é" * (MAX_TEXT // 2 + 1)}  # the limit is in bytes
+    for text in too_long.values():
+        assert_error(client.post("/v1/memories", json=add_body(text=text)), 422, "text", "invalid_input")
+    message = {"role": "user", "content": "a" * (MAX_TEXT + 1)}
+    response = client.post("/v1/memories", json=add_body(text=None, messages=[USER_MESSAGE, message]))
+    assert_error(response, 422, "messages[1].content")
+    assert_nothing_stored(client)
+    assert client.post("/v1/memories", json=add_body(text="a" * MAX_TEXT)).status_code == 200
+
+
+# -- add -------------------------------------------------------------------------------------------
+ADD_CASES = [
+    ("empty text", add_body(text=""), "text"),
+    ("whitespace-only text", add_body(text=" \n\t  "), "text"),
+    ("text not a string", add_body(text=42), "text"),
+    ("both text and messages", add_body(messages=[USER_MESSAGE]), "messages"),
+    ("neither text nor messages", add_body(text=None), "messages"),
+    ("empty messages", add_body(text=None, messages=[]), "messages"),
+    ("only system messages", add_body(text=None, messages=[{"role": "system", "content": "be brief"}]), "messages"),
+    ("one empty message among good ones",
+     add_body(text=None, messages=[USER_MESSAGE, {"role": "user", "content": "   "}]), "messages[1].content"),
+    ("no scope id", add_body(user_id=None), "user_id"),
+    ("user_id with a space", add_body(user_id="a b"), "user_id"),
+    ("user_id with a slash", add_body(user_id="x/y"), "user_id"),
+    ("agent_id of 129 characters", add_body(agent_id="a" * 129), "agent_id"),
+    ("empty run_id", add_body(run_id=""), "run_id"),
+    ("user_id not a string", add_body(user_id=7), "user_id"),
+    ("metadata a list", add_body(metadata=["topic", "tea"]), "metadata"),
+    ("infer not a boolean", add_body(infer="maybe"), "infer"),
+    ("expires_at in the past", add_body(expires_at=PAST), "expires_at"),
+    ("expires_at not a time", add_body(expires_at="next tuesday"), "expires_at"),
+]
+
+
+def test_add_with_bad_body_is_422_naming_the_field(client, subtests):
+    for name, body, field in ADD_CASES:
+        with subtests.test(name):
+            assert_error(client.post("/v1/memories", json=body), 422, field, "invalid_input")
+    assert_nothing_stored(client)
+
+
+def test_malformed_json_is_400(client, subtests):
+    for path in ("/v1/memories", "/v1/memories/batch", "/v1/memories/search"):
+        for content in (b'{"text": "I like tea", "user_id": ', b"{'text': 'single quotes'}", b"\xff\xfe"):
+            with subtests.test(path=path, content=content):
+                assert_error(post_raw(client, path, content), 400, None, "malformed_json")
+    assert_nothing_stored(client)
+
+
+def test_json_body_that_is_not_an_object_is_422(client, subtests):
+    for content in (b"[1, 2]", b'"I like tea"', b"null", b"42"):
+        with subtests.test(content=content):
+            assert_error(post_raw(client, "/v1/memories", content), 422, None, "invalid_input")
+    assert_nothing_stored(client)
+
+
+def test_memory_text_with_nul_byte_is_stored_or_refused_never_500(client):
+    # PostgreSQL text cannot hold NUL: the server must refuse it (naming `text`) or store it, not crash.
+    response = client.post("/v1/memories", json=add_body(text="green\x00tea"))
+    assert response.status_code in (200, 422), response.text
+    if response.status_code == 422:
+        assert_error(response, 422, "text")
+        assert_nothing_stored(client)
+    else:
+        memory_id = response.json()["results"][0]["id"]
+        assert client.get(f"/v1/memories/{memory_id}").json()["memory"] == "green\x00tea"
+
+
+def test_expires_at_beyond_the_datetime_range_in_utc_is_not_a_500(client):
+    # Valid ISO times whose UTC form falls outside Python's datetime range (years 1-9999).
+    for expires_at in ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+01:00"):
+        response = client.post("/v1/memories", json=add_body(expires_at=expires_at))
+        assert response.status_code in (200, 422), (expires_at, response.text)  # may be accepted; never a 500
+        if response.status_code == 422:
+            assert_error(response, 422, "expires_at")
+    assert_nothing_stored(client)
+
+
+# -- batch -----------------------------------------------------------------------------------------
+def test_batch_over_1000_items_is_422_and_stores_nothing(client):
+    items = [add_body(text=f"note number {i}") for i in range(1001)]
+    assert_error(client.post("/v1/memories/batch", json={"items": items}), 422, "items", "invalid_input")
+    assert_nothing_stored(client)
+
+
+def test_batch_without_items_is_422(client):
+    for body in ({}, {"items": []}, {"items": "I like tea"}, {"items": {"0": add_body()}}):
+        assert_error(client.post("/v1/memories/batch", json=body), 422, "items", "invalid_input")
+    assert_nothing_stored(client)
+
+
+BAD_ITEMS = [
+    ("empty text", add_body(text=""), "items[5].text"),
+    ("whitespace-only text", add_body(text="   "), "items[5].text"),
+    ("no scope id", add_body(user_id=None), "items[5].user_id"),
+    ("expires_at in the past", add_body(expires_at=PAST), "items[5].expires_at"),
+    ("both text and messages", add_body(messages=[USER_MESSAGE]), "items[5].messages"),
+    ("only system messages", add_body(text=None, messages=[{"role": "system", "content": "x"}]), "items[5].messages"),
+    ("text over 32 KiB", add_body(text="a" * (MAX_TEXT + 1)), "items[5].text"),
+]
+
+
+def test_batch_with_bad_item_5_stores_nothing(client, subtests):
+    good = [add_body(text=f"I like tea number {i}") for i in range(5)]
+    for name, bad, field in BAD_ITEMS:
+        with subtests.test(name):
+            items = [*good, bad, add_body(text="I like coffee too")]
+            assert_error(client.post("/v1/memories/batch", json={"items": items}), 422, field, "invalid_input")
+            assert_nothing_stored(client)
+
+
+def test_batch_schema_error_names_the_item_like_other_item_errors(client):
+    # Service checks name `items[5].text`; a schema error in the same item should use the same path style.
+    good = [add_body(text=f"I like tea number {i}") for i in range(5)]
+    for bad, field in ((add_body(user_id="a b"), "items[5].user_id"),
+                       (add_body(text=None, messages=[{"role": "user"}]), "items[5].messages[0].content")):
+        assert_error(client.post("/v1/memories/batch", json={"items": [*good, bad]}), 422, field, "invalid_input")
+    assert_nothing_stored(client)
+
+
+# -- search ----------------------------------------------------------------------------------------
+def search_body(**fields) -> dict:
+    body = {"query": "green tea", "user_id": "u1", **fields}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def filtered(filters) -> dict:
+    return search_body(user_id=None, filters=filters)
+
+
+SEARCH_CASES = [
+    ("top_k not a number", search_body(top_k="ten"), "top_k"),
+    ("top_k 0", search_body(top_k=0), "top_k"),
+    ("top_k 101", search_body(top_k=101), "top_k"),
+    ("threshold below 0", search_body(threshold=-0.1), "threshold"),
+    ("threshold above 1", search_body(threshold=1.5), "threshold"),
+    ("unknown mode", search_body(mode="fuzzy"), "mode"),
+    ("user_id with a slash", search_body(user_id="x/y"), "user_id"),
+    ("agent_id of 129 characters", search_body(agent_id="a" * 129), "agent_id"),
+    ("no scope id at all", search_body(user_id=None), "filters"),
+    ("only a metadata filter", filtered({"metadata.topic": "tea"}), "filters"),
+    ("only a negated scope", filtered({"NOT": [{"user_id": "u1"}]}), "filters"),
+    ("scope only on one side of OR", filtered({"OR": [{"user_id": "u1"}, {"metadata.topic": "tea"}]}), "filters"),
+    ("filters a list", filtered([{"user_id": "u1"}]), "filters"),
+    ("filters empty", search_body(filters={}), "filters"),
+    ("AND not a list", filtered({"AND": {"user_id": "u1"}}), "filters.AND"),
+    ("OR empty", filtered({"OR": []}), "filters.OR"),
+    ("unknown field", filtered({"user_id": "u1", "colour": "red"}), "filters.colour"),
+    ("tenant is not a filter field", filtered({"user_id": "u1", "tenant": "other"}), "filters.tenant"),
+    ("unknown operator on metadata", filtered({"user_id": "u1", "metadata.topic": {"regex": "t.*"}}),
+     "filters.metadata.topic.regex"),
+    ("unknown operator on a scope id", filtered({"user_id": {"regex": "u.*"}}), "filters.user_id.regex"),
+    ("unknown operator inside OR", filtered({"user_id": "u1", "OR": [{"metadata.a": 1}, {"metadata.b": {"like": 2}}]}),
+     "filters.OR[1].metadata.b.like"),
+    ("in with a non-list", filtered({"user_id": {"in": "u1"}}), "filters.user_id.in"),
+    ("in with an empty list", filtered({"user_id": {"in": []}}), "filters.user_id.in"),
+    ("range on a scope id", filtered({"user_id": {"gt": "u1"}}), "filters.user_id.gt"),
+    ("bad scope id in filters", filtered({"user_id": "a b"}), "filters.user_id"),
+    ("bad scope id inside OR", filtered({"OR": [{"user_id": "u1"}, {"agent_id": "x/y"}]}), "filters.OR[1].agent_id"),
+    ("gt with a string on metadata", filtered({"user_id": "u1", "metadata": {"priority": {"gt": "high"}}}),
+     "filters.metadata.priority.gt"),
+    ("metadata in with mixed types", filtered({"user_id": "u1", "metadata.tag": {"in": ["a", 1]}}),
+     "filters.metadata.tag.in"),
+    ("metadata contains an empty string", filtered({"user_id": "u1", "metadata.tag": {"contains": ""}}),
+     "filters.metadata.tag.contains"),
+    ("bad metadata key", filtered({"user_id": "u1", "metadata.a b": 1}), "filters.metadata.a b"),
+    ("bad ISO time on created_at", filtered({"user_id": "u1", "created_at": {"gt": "yesterday"}}),
+     "filters.created_at.gt"),
+    ("number for created_at", filtered({"user_id": "u1", "created_at": {"lt": 1700000000}}), "filters.created_at.lt"),
+    ("in on created_at", filtered({"user_id": "u1", "created_at": {"in": [PAST]}}), "filters.created_at.in"),
+]
+
+
+def test_search_with_bad_body_is_422_naming_the_field(client, subtests):
+    add(client)  # something a too-lenient search could return
+    for name, body, field in SEARCH_CASES:
+        with subtests.test(name):
+            assert_error(client.post("/v1/memories/search", json=body), 422, field, "invalid_input")
+
+
+def test_search_query_errors_name_the_query_field(client):
+    # `query` is both a body field and a location name in FastAPI's error paths; the field must survive.
+    for body, message in ((search_body(query=""), "at least 1 character"), (search_body(query=None), "required")):
+        response = client.post("/v1/memories/search", json=body)
+        assert_error(response, 422, "query", "invalid_input")
+        assert message in response.json()["error"]["message"]
+    long = client.post("/v1/memories/search", json=search_body(query="tea " * 1025))
+    assert_error(long, 422, "query", "invalid_input")
+
+
+def test_metadata_filter_with_out_of_range_integer_is_not_a_500(client):
+    add(client)
+    for operand, field in ((10 ** 30, "filters.metadata.n"), ({"in": [2 ** 63]}, "filters.metadata.n.in"),
+                           ({"ne": -(2 ** 70)}, "filters.metadata.n.ne")):
+        response = client.post("/v1/memories/search", json=filtered({"user_id": "u1", "metadata.n": operand}))
+        assert response.status_code in (200, 422), (operand, response.text)  # may match nothing; never a 500
+        if response.status_code == 422:
+            assert_error(response, 422, field)
+
+
+# -- list and delete by scope ----------------------------------------------------------------------
+LIST_CASES = [
+    ("user_id with a space", {"user_id": "a b"}, "user_id"),
+    ("user_id with a slash", {"user_id": "x/y"}, "user_id"),
+    ("agent_id of 129 characters", {"agent_id": "a" * 129}, "agent_id"),
+    ("empty run_id", {"run_id": ""}, "run_id"),
+    ("limit 0", {"limit": 0}, "limit"),
+    ("limit 201", {"limit": 201}, "limit"),
+    ("limit not a number", {"limit": "ten"}, "limit"),
+]
+
+
+def test_list_with_bad_query_is_422_naming_the_field(client, subtests):
+    for name, params, field in LIST_CASES:
+        with subtests.test(name):
+            assert_error(client.get("/v1/memories", params=params), 422, field, "invalid_input")
+
+
+GARBAGE_CURSORS = ["!!!", "not-a-cursor", cursor_of([]), cursor_of({}), cursor_of(["yesterday", "x"]),
+                   cursor_of([1, 2]), cursor_of("2024-01-01T00:00:00Z"), "A" * 512]
+
+
+def test_bad_cursor_is_400(client, subtests):
+    add(client)
+    for cursor in GARBAGE_CURSORS:
+        with subtests.test(cursor=cursor):
+            assert_error(client.get("/v1/memories", params={"cursor": cursor}), 400, "cursor", "invalid_cursor")
+    assert_error(client.get("/v1/memories", params={"cursor": "A" * 513}), 422, "cursor")
+
+
+def test_forged_cursor_with_nul_byte_is_not_a_500(client):
+    add(client)
+    response = client.get("/v1/memories", params={"cursor": cursor_of(["2030-01-01T00:00:00+00:00", "x\x00"])})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert_error(response, 400, "cursor", "invalid_cursor")
+
+
+def test_delete_by_scope_with_bad_query_is_422_and_deletes_nothing(client):
+    memory = add(client)
+    assert_error(client.delete("/v1/memories"), 422, "user_id", "invalid_input")
+    for params, field in (({"user_id": "a b"}, "user_id"), ({"agent_id": "x/y"}, "agent_id"),
+                          ({"user_id": "u1", "run_id": "r" * 129}, "run_id")):
+        assert_error(client.delete("/v1/memories", params=params), 422, field, "invalid_input")
+    assert_unchanged(client, memory)
+
+
+# -- update ----------------------------------------------------------------------------------------
+PATCH_CASES = [
+    ("empty body", {}, "text"),
+    ("unknown field", {"colour": "red"}, "colour"),
+    ("scope cannot be moved", {"text": "I like black tea", "user_id": "u2"}, "user_id"),
+    ("empty text", {"text": ""}, "text"),
+    ("whitespace-only text", {"text": "   "}, "text"),
+    ("text over 32 KiB", {"text": "a" * (MAX_TEXT + 1)}, "text"),
+    ("text not a string", {"text": ["I like tea"]}, "text"),
+    ("metadata a list", {"metadata": ["tea"]}, "metadata"),
+    ("expires_at in the past", {"expires_at": PAST}, "expires_at"),
+    ("expires_at not a time", {"expires_at": "soon"}, "expires_at"),
+    ("good text with a past expires_at", {"text": "I like black tea", "expires_at": PAST}, "expires_at"),
+]
+
+
+def test_patch_with_bad_body_is_422_and_changes_nothing(client, subtests):
+    memory = add(client)
+    path = f"/v1/memories/{memory['id']}"
+    for name, body, field in PATCH_CASES:
+        with subtests.test(name):
+            assert_error(client.patch(path, json=body), 422, field, "invalid_input")
+    assert_error(client.patch(path), 422, None, "invalid_input")
+    assert_error(post_raw(client, path, b'{"text": ', method="PATCH"), 400, None, "malformed_json")
+    assert_unchanged(client, memory)
+
+
+# -- unknown ids -----------------------------------------------------------------------------------
+UNKNOWN_IDS = [str(uuid.uuid4()), "garbage", "not a uuid", "x" * 300, "1' OR '1'='1", "%E2%98%83", "-1"]
+
+
+def test_unknown_or_garbage_memory_id_is_404(client, subtests):
+    memory = add(client)
+    for memory_id in UNKNOWN_IDS:
+        with subtests.test(memory_id=memory_id):
+            path = f"/v1/memories/{memory_id}"
+            assert_error(client.get(path), 404, None, "not_found")
+            assert_error(client.patch(path, json={"text": "I like black tea"}), 404, None, "not_found")
+            assert_error(client.delete(path), 404, None, "not_found")
+            assert_error(client.get(f"{path}/history"), 404, None, "not_found")
+    assert_unchanged(client, memory)
+
+
+def test_memory_id_with_nul_byte_is_404_not_500(client):
+    memory = add(client)
+    for method, path in (("GET", "/v1/memories/%00"), ("DELETE", "/v1/memories/%00"),
+                         ("GET", "/v1/memories/%00/history"), ("GET", f"/v1/memories/{memory['id']}%00")):
+        assert_error(client.request(method, path), 404, None, "not_found")
+    assert_unchanged(client, memory)
+
+
+def test_deleted_memory_is_404_afterwards(client):
+    memory = add(client)
+    assert client.delete(f"/v1/memories/{memory['id']}").json() == {"deleted": 1}
+    for method in ("GET", "DELETE"):
+        assert_error(client.request(method, f"/v1/memories/{memory['id']}"), 404, None, "not_found")
+    assert_error(client.patch(f"/v1/memories/{memory['id']}", json={"text": "back again"}), 404, None, "not_found")
+    assert_nothing_stored(client)
+
+
+def test_expired_memory_is_404(client):
+    soon = (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()
+    memory_id = client.post("/v1/memories", json=add_body(expires_at=soon)).json()["results"][0]["id"]
+    deadline = datetime.now(timezone.utc) + timedelta(seconds=10)
+    while client.get(f"/v1/memories/{memory_id}").status_code == 200:
+        assert datetime.now(timezone.utc) < deadline, "the memory did not expire"
+        time.sleep(0.1)
+    assert_error(client.get(f"/v1/memories/{memory_id}"), 404, None, "not_found")
+    assert_error(client.patch(f"/v1/memories/{memory_id}", json={"text": "renewed"}), 404, None, "not_found")

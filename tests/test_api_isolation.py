@@ -1,0 +1,351 @@
+"""Isolation over HTTP: users, agents and runs within a tenant, tenants from each other, and key restrictions."""
+
+import httpx
+import pytest
+
+MODES = ("hybrid", "dense", "keyword")
+FACT = "is allergic to peanuts and carries an epipen"
+QUERY = "peanut allergy epipen"
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def add(client: httpx.Client, text: str = FACT, **scope) -> str:
+    response = client.post("/v1/memories", json={"text": text, **scope})
+    assert response.status_code == 200, response.text
+    (result,) = response.json()["results"]
+    assert result["event"] == "ADD", result
+    return result["id"]
+
+
+def search_ids(client: httpx.Client, mode: str = "hybrid", query: str = QUERY, **body) -> set[str]:
+    response = client.post("/v1/memories/search", json={"query": query, "mode": mode, **body})
+    assert response.status_code == 200, response.text
+    return {memory["id"] for memory in response.json()["results"]}
+
+
+def list_ids(client: httpx.Client, **params) -> set[str]:
+    response = client.get("/v1/memories", params={"limit": 200, **params})
+    assert response.status_code == 200, response.text
+    return {memory["id"] for memory in response.json()["results"]}
+
+
+def assert_status(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code, response.text
+
+
+def assert_unreachable(client: httpx.Client, memory_id: str) -> None:
+    """GET, PATCH, DELETE and history all answer 404, exactly as for an id that does not exist."""
+    path = f"/v1/memories/{memory_id}"
+    assert_status(client.get(path), 404, "not_found")
+    assert_status(client.patch(path, json={"text": "overwritten by a stranger"}), 404, "not_found")
+    assert_status(client.delete(path), 404, "not_found")
+    assert_status(client.get(f"{path}/history"), 404, "not_found")
+
+
+def assert_intact(admin: httpx.Client, memory_id: str, text: str = FACT) -> None:
+    response = admin.get(f"/v1/memories/{memory_id}")
+    assert response.status_code == 200, response.text
+    assert response.json()["memory"] == text
+    history = admin.get(f"/v1/memories/{memory_id}/history").json()["results"]
+    assert [entry["event"] for entry in history] == ["ADD"]
+
+
+def new_key(admin: httpx.Client, role: str = "agent", **restrictions) -> tuple[str, str]:
+    """(key id, plaintext key), made through the admin API."""
+    response = admin.post("/v1/admin/keys", json={"role": role, **restrictions})
+    assert response.status_code == 201, response.text
+    return response.json()["id"], response.json()["key"]
+
+
+@pytest.fixture
+def admin(server):
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture
+def keys(server):
+    """Open a client for a key; all are closed at the end of the test."""
+    opened: list[httpx.Client] = []
+
+    def open_client(key: str) -> httpx.Client:
+        opened.append(server.client(key))
+        return opened[-1]
+
+    yield open_client
+    for c in opened:
+        c.close()
+
+
+# -- scopes within one tenant ----------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["user_id", "agent_id", "run_id"])
+def test_scope_ids_isolate_search_and_list_in_every_mode(admin, kind):
+    alice = add(admin, **{kind: "alice"})
+    bob = add(admin, **{kind: "bob"})  # the same text: only the scope tells them apart
+    for mode in MODES:
+        assert search_ids(admin, mode, **{kind: "bob"}) == {bob}, mode
+        assert search_ids(admin, mode, filters={kind: "alice"}) == {alice}, mode
+        assert search_ids(admin, mode, filters={kind: {"in": ["bob", "carol"]}}) == {bob}, mode
+    assert list_ids(admin, **{kind: "bob"}) == {bob}
+    assert list_ids(admin, **{kind: "alice"}) == {alice}
+
+
+def test_memories_differing_only_in_run_stay_apart_within_one_user(admin):
+    morning = add(admin, user_id="alice", run_id="morning")
+    evening = add(admin, user_id="alice", run_id="evening")
+    for mode in MODES:
+        assert search_ids(admin, mode, user_id="alice", run_id="evening") == {evening}, mode
+    assert list_ids(admin, user_id="alice", run_id="morning") == {morning}
+    assert admin.delete("/v1/memories", params={"user_id": "alice", "run_id": "morning"}).json() == {"deleted": 1}
+    assert list_ids(admin, user_id="alice") == {evening}
+
+
+# -- tenants ---------------------------------------------------------------------------------------
+def test_other_tenant_gets_404_for_memory_ids(server, admin, keys):
+    memory = add(admin, user_id="alice")
+    other = keys(server.create_tenant_key("other", role="admin"))
+    assert_unreachable(other, memory)
+    assert_intact(admin, memory)
+
+
+def test_other_tenant_never_sees_memories_even_with_the_same_user_id(server, admin, keys):
+    memory = add(admin, user_id="alice", agent_id="helper", run_id="r1")
+    other = keys(server.create_tenant_key("other", role="admin"))
+    for mode in MODES:
+        assert search_ids(other, mode, user_id="alice") == set(), mode
+        assert search_ids(other, mode, filters={"OR": [{"agent_id": "helper"}, {"run_id": "r1"}]}) == set(), mode
+    assert list_ids(other) == set()
+    assert list_ids(other, user_id="alice") == set()
+    assert other.delete("/v1/memories", params={"user_id": "alice"}).json() == {"deleted": 0}
+    assert_intact(admin, memory)
+
+
+def test_identical_memory_in_other_tenant_is_stored_separately(server, admin, keys):
+    ours = add(admin, user_id="alice")
+    other = keys(server.create_tenant_key("other", role="agent"))
+    theirs = add(other, user_id="alice")  # not a NOOP pointing at our id: deduplication is per tenant
+    assert theirs != ours
+    for mode in MODES:
+        assert search_ids(admin, mode, user_id="alice") == {ours}, mode
+        assert search_ids(other, mode, user_id="alice") == {theirs}, mode
+    assert other.delete(f"/v1/memories/{theirs}").json() == {"deleted": 1}
+    assert_intact(admin, ours)
+
+
+def test_admin_key_sees_its_whole_tenant_but_no_other_tenant(server, admin, keys):
+    ours = {add(admin, user_id="alice"), add(admin, user_id="bob"), add(admin, agent_id="helper")}
+    other = keys(server.create_tenant_key("other", role="admin"))
+    theirs = {add(other, user_id="alice"), add(other, agent_id="helper")}
+    assert list_ids(admin) == ours
+    assert list_ids(other) == theirs
+    anyone = {"OR": [{"user_id": {"in": ["alice", "bob"]}}, {"agent_id": "helper"}]}
+    for mode in MODES:
+        assert search_ids(admin, mode, filters=anyone) == ours, mode
+        assert search_ids(other, mode, filters=anyone) == theirs, mode
+    for memory in theirs:
+        assert_status(admin.get(f"/v1/memories/{memory}"), 404, "not_found")
+
+
+def test_admin_cannot_see_or_revoke_keys_of_other_tenant(server, admin, keys):
+    other = keys(server.create_tenant_key("other", role="admin"))
+    other_key_ids = {k["id"] for k in other.get("/v1/admin/keys").json()["results"]}
+    assert other_key_ids
+    our_keys = admin.get("/v1/admin/keys").json()["results"]
+    assert {k["tenant_id"] for k in our_keys} == {"default"}
+    assert not other_key_ids & {k["id"] for k in our_keys}
+    for key_id in other_key_ids:
+        assert_status(admin.delete(f"/v1/admin/keys/{key_id}"), 404, "not_found")
+    assert other.get("/v1/memories").status_code == 200
+
+
+def test_keys_created_by_an_admin_belong_to_its_tenant(server, admin, keys):
+    other_admin = keys(server.create_tenant_key("other", role="admin"))
+    _, key = new_key(other_admin, "agent", user_ids=["alice"])
+    memory = add(keys(key), user_id="alice")
+    assert list_ids(other_admin) == {memory}
+    assert list_ids(admin) == set()
+
+
+# -- keys restricted to users ----------------------------------------------------------------------
+@pytest.fixture
+def alice_only(server, keys):
+    return keys(server.create_key("agent", user_ids=["alice"]))
+
+
+FORBIDDEN_SEARCHES = [
+    ("top-level user_id", {"user_id": "bob"}),
+    ("filter user_id", {"filters": {"user_id": "bob"}}),
+    ("explicit eq", {"filters": {"user_id": {"eq": "bob"}}}),
+    ("inside OR", {"filters": {"OR": [{"user_id": "alice"}, {"user_id": "bob"}]}}),
+    ("via in", {"filters": {"user_id": {"in": ["alice", "bob"]}}}),
+    ("nested AND", {"filters": {"AND": [{"run_id": "r1"}, {"OR": [{"user_id": "bob"}, {"agent_id": "x"}]}]}}),
+    ("double negation", {"filters": {"NOT": [{"NOT": [{"user_id": "bob"}]}]}}),
+    ("own id at top, other in filters", {"user_id": "alice", "filters": {"user_id": "bob"}}),
+]
+
+
+def test_user_restricted_key_cannot_search_other_user(admin, alice_only, subtests):
+    add(admin, user_id="bob")
+    for name, body in FORBIDDEN_SEARCHES:
+        with subtests.test(name):
+            response = alice_only.post("/v1/memories/search", json={"query": QUERY, **body})
+            assert_status(response, 403, "forbidden")
+
+
+def test_user_restricted_key_cannot_widen_its_scope_with_negation(admin, alice_only):
+    bob = add(admin, user_id="bob")
+    carol = add(admin, user_id="carol", agent_id="helper")
+    for filters in ({"user_id": {"ne": "alice"}}, {"user_id": {"nin": ["alice"]}}, {"NOT": [{"user_id": "alice"}]},
+                    {"agent_id": "helper"}):
+        response = alice_only.post("/v1/memories/search", json={"query": QUERY, "filters": filters})
+        assert response.status_code in (200, 403), response.text
+        if response.status_code == 200:
+            assert not {m["id"] for m in response.json()["results"]} & {bob, carol}, filters
+
+
+def test_user_restricted_key_cannot_list_or_delete_other_user(admin, alice_only):
+    bob = add(admin, user_id="bob", run_id="shared")
+    assert_status(alice_only.get("/v1/memories", params={"user_id": "bob"}), 403, "forbidden")
+    assert_status(alice_only.delete("/v1/memories", params={"user_id": "bob"}), 403, "forbidden")
+    assert_status(alice_only.delete("/v1/memories", params={"user_id": "bob", "run_id": "shared"}), 403, "forbidden")
+    assert_intact(admin, bob)
+
+
+def test_user_restricted_key_cannot_add_for_other_user(admin, alice_only):
+    assert_status(alice_only.post("/v1/memories", json={"text": FACT, "user_id": "bob"}), 403, "forbidden")
+    items = [{"text": "alice likes tea", "user_id": "alice"}, {"text": "bob likes coffee", "user_id": "bob"}]
+    assert_status(alice_only.post("/v1/memories/batch", json={"items": items}), 403, "forbidden")
+    assert list_ids(admin) == set()  # all-or-nothing: not even alice's item was stored
+
+
+def test_user_restricted_key_gets_404_for_other_users_memory(admin, alice_only):
+    bob = add(admin, user_id="bob")
+    no_user = add(admin, agent_id="helper")  # belongs to no user, so not to alice either
+    for memory in (bob, no_user):
+        assert_unreachable(alice_only, memory)
+        assert_intact(admin, memory)
+
+
+def test_user_restricted_key_can_use_its_own_memories(admin, alice_only):
+    mine = add(alice_only, user_id="alice")
+    assert alice_only.get(f"/v1/memories/{mine}").json()["user_id"] == "alice"
+    updated = alice_only.patch(f"/v1/memories/{mine}", json={"text": "alice no longer has peanut allergy"})
+    assert updated.status_code == 200 and updated.json()["user_id"] == "alice", updated.text
+    assert len(alice_only.get(f"/v1/memories/{mine}/history").json()["results"]) == 2
+    assert alice_only.delete(f"/v1/memories/{mine}").json() == {"deleted": 1}
+
+
+def test_user_restricted_key_writes_land_on_its_user_when_user_id_is_omitted(admin, alice_only):
+    for body in ({"text": FACT}, {"text": "alice drinks oolong", "agent_id": "helper", "run_id": "r1"}):
+        response = alice_only.post("/v1/memories", json=body)
+        assert response.status_code == 200, response.text
+        memory = admin.get(f"/v1/memories/{response.json()['results'][0]['id']}").json()
+        assert memory["user_id"] == "alice", memory
+    batch = alice_only.post("/v1/memories/batch", json={"items": [{"text": "alice walks daily", "run_id": "r2"}]})
+    memory_id = batch.json()["results"][0]["id"]
+    assert admin.get(f"/v1/memories/{memory_id}").json()["user_id"] == "alice"
+
+
+def test_user_restricted_key_only_sees_its_user_when_user_id_is_omitted(admin, alice_only):
+    mine = add(admin, user_id="alice", agent_id="helper")
+    bob = add(admin, user_id="bob", agent_id="helper")
+    add(admin, agent_id="helper")
+    for mode in MODES:
+        assert search_ids(alice_only, mode) == {mine}, mode
+        assert search_ids(alice_only, mode, agent_id="helper") == {mine}, mode
+    assert list_ids(alice_only) == {mine}
+    assert list_ids(alice_only, agent_id="helper") == {mine}
+    assert bob not in list_ids(alice_only, agent_id="helper")
+
+
+def test_user_restricted_key_deleting_by_other_scope_only_touches_its_user(admin, alice_only):
+    mine = add(admin, user_id="alice", agent_id="helper", run_id="r1")
+    bob = add(admin, user_id="bob", agent_id="helper", run_id="r1")
+    unowned = add(admin, agent_id="helper", run_id="r1")
+    assert alice_only.delete("/v1/memories", params={"agent_id": "helper"}).json() == {"deleted": 1}
+    assert alice_only.delete("/v1/memories", params={"run_id": "r1"}).json() == {"deleted": 0}
+    assert list_ids(admin) == {bob, unowned}
+    assert_status(admin.get(f"/v1/memories/{mine}"), 404, "not_found")
+
+
+def test_key_restricted_to_several_users_must_name_one_to_write(server, admin, keys):
+    two = keys(server.create_key("agent", user_ids=["alice", "carol"]))
+    response = two.post("/v1/memories", json={"text": FACT})
+    assert_status(response, 403, "forbidden")
+    assert response.json()["error"]["field"] == "user_id"
+    alice, carol = add(two, user_id="alice"), add(two, user_id="carol")
+    add(admin, user_id="bob")
+    for mode in MODES:
+        assert search_ids(two, mode) == {alice, carol}, mode
+    assert list_ids(two) == {alice, carol}
+    assert_status(two.post("/v1/memories", json={"text": FACT, "user_id": "bob"}), 403, "forbidden")
+
+
+# -- keys restricted to agents ---------------------------------------------------------------------
+@pytest.fixture
+def helper_only(server, keys):
+    return keys(server.create_key("agent", agent_ids=["helper"]))
+
+
+def test_agent_restricted_key_cannot_reach_other_agent(admin, helper_only):
+    stranger = add(admin, user_id="alice", agent_id="stranger")
+    for body in ({"agent_id": "stranger"}, {"filters": {"OR": [{"agent_id": "helper"}, {"agent_id": "stranger"}]}},
+                 {"filters": {"agent_id": {"in": ["helper", "stranger"]}}}):
+        assert_status(helper_only.post("/v1/memories/search", json={"query": QUERY, **body}), 403, "forbidden")
+    assert_status(helper_only.get("/v1/memories", params={"agent_id": "stranger"}), 403, "forbidden")
+    assert_status(helper_only.delete("/v1/memories", params={"agent_id": "stranger"}), 403, "forbidden")
+    response = helper_only.post("/v1/memories", json={"text": FACT, "user_id": "alice", "agent_id": "stranger"})
+    assert_status(response, 403, "forbidden")
+    assert_unreachable(helper_only, stranger)
+    assert_intact(admin, stranger)
+    assert list_ids(admin) == {stranger}
+
+
+def test_agent_restricted_key_writes_and_reads_only_its_agent(admin, helper_only):
+    theirs = add(admin, user_id="alice", agent_id="stranger")
+    no_agent = add(admin, user_id="alice")
+    mine = add(helper_only, user_id="alice")  # agent_id omitted: the key's own agent is filled in
+    assert admin.get(f"/v1/memories/{mine}").json()["agent_id"] == "helper"
+    for mode in MODES:
+        assert search_ids(helper_only, mode, user_id="alice") == {mine}, mode
+    assert list_ids(helper_only, user_id="alice") == {mine}
+    assert helper_only.delete("/v1/memories", params={"user_id": "alice"}).json() == {"deleted": 1}
+    assert list_ids(admin) == {theirs, no_agent}
+
+
+# -- key management and revocation -----------------------------------------------------------------
+def test_agent_keys_cannot_manage_keys(server, admin, keys):
+    agents = (keys(server.create_key("agent")), keys(server.create_key("agent", user_ids=["alice"])))
+    before = admin.get("/v1/admin/keys").json()["results"]
+    admin_key_id = before[0]["id"]
+    for agent in agents:
+        assert_status(agent.get("/v1/admin/keys"), 403, "forbidden")
+        assert_status(agent.post("/v1/admin/keys", json={"role": "admin"}), 403, "forbidden")
+        assert_status(agent.post("/v1/admin/keys", json={"role": "agent"}), 403, "forbidden")
+        assert_status(agent.delete(f"/v1/admin/keys/{admin_key_id}"), 403, "forbidden")
+    after = admin.get("/v1/admin/keys").json()["results"]
+    assert [k["id"] for k in after] == [k["id"] for k in before]
+    assert all(k["revoked_at"] is None for k in after)
+
+
+def test_revoked_key_gets_401_immediately(admin, keys):
+    key_id, key = new_key(admin, "agent", user_ids=["alice"])
+    client = keys(key)
+    memory = add(client, user_id="alice")
+    assert admin.delete(f"/v1/admin/keys/{key_id}").json()["revoked_at"] is not None
+    # The same keep-alive connection, the very next request: no grace period, no cache.
+    assert_status(client.get(f"/v1/memories/{memory}"), 401, "unauthorized")
+    assert_status(client.post("/v1/memories/search", json={"query": QUERY}), 401, "unauthorized")
+    assert_status(client.post("/v1/memories", json={"text": "after revocation"}), 401, "unauthorized")
+    assert_status(client.delete(f"/v1/memories/{memory}"), 401, "unauthorized")
+    assert list_ids(admin) == {memory}
+
+
+def test_revoked_admin_key_can_no_longer_manage_keys(server, admin, keys):
+    key_id, key = new_key(admin, "admin")
+    second_admin = keys(key)
+    assert second_admin.get("/v1/admin/keys").status_code == 200
+    assert admin.delete(f"/v1/admin/keys/{key_id}").status_code == 200
+    assert_status(second_admin.get("/v1/admin/keys"), 401, "unauthorized")
+    assert_status(second_admin.post("/v1/admin/keys", json={"role": "admin"}), 401, "unauthorized")

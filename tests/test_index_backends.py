@@ -1,0 +1,135 @@
+"""One contract for both VectorIndex backends (Qdrant Edge, Qdrant server via qdrant-client),
+and a congruence check: the same data gives the same ids in the same order on both."""
+
+import pytest
+
+from conftest import make_settings
+from memory_server.runtime import Runtime
+from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
+from memory_server.storage.vectors import IndexPoint, IndexQuery, SparseVector
+from memory_server.storage.vectors.filters import All, Any_, Field, Not
+
+BACKENDS = {"edge": None, "qdrant": ":memory:"}  # ":memory:" = qdrant-client's in-process stand-in server
+
+CORPUS = [
+    ("u1", "a1", "Rosa grows basil and mint on her balcony", {"topic": "garden", "n": 1}),
+    ("u1", "a1", "Rosa's flight to Lima leaves on Friday", {"topic": "travel", "n": 2}),
+    ("u1", "a2", "Rosa's passport number is P-884213", {"topic": "travel", "n": 3}),
+    ("u1", "a2", "Rosa prefers aisle seats on long flights", {"topic": "travel", "n": 4}),
+    ("u1", None, "Rosa is training for a half marathon", {"topic": "sport", "n": 5}),
+    ("u2", "a1", "Sam grows tomatoes in a greenhouse", {"topic": "garden", "n": 6}),
+    ("u2", "a1", "Sam's flight to Oslo was cancelled", {"topic": "travel", "n": 7}),
+    ("u2", None, "山姆喜欢在周末去爬山", {"topic": "sport", "n": 8}),
+    ("u1", None, "罗莎下个月要去成都吃火锅", {"topic": "food", "n": 9}),
+]
+SEARCHES = [
+    ("gardening plants", {"user_id": "u1"}),
+    ("flight travel plans", {"user_id": "u1"}),
+    ("P-884213", {"user_id": "u1"}),
+    ("flight", {"agent_id": "a1"}),
+    ("travel", {"AND": [{"user_id": "u1"}, {"metadata.topic": "travel"}, {"metadata.n": {"gte": 3}}]}),
+    ("plants", {"OR": [{"user_id": "u2"}, {"agent_id": "a2"}]}),
+    ("running", {"user_id": "u1", "NOT": [{"agent_id": {"in": ["a1", "a2"]}}]}),
+    ("火锅", {"user_id": "u1"}),
+    ("爬山", {"user_id": {"in": ["u1", "u2"]}}),
+]
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend_runtime(request, tmp_path, embedder):
+    rt = Runtime.open(make_settings(tmp_path / request.param, qdrant_url=BACKENDS[request.param]), embedder=embedder)
+    yield rt
+    rt.close()
+
+
+def load(runtime, admin):
+    items = [AddRequest(text=t, user_id=u, agent_id=a, metadata=m) for u, a, t, m in CORPUS]
+    return [r.id for r in runtime.memories.add_batch(admin, items).results]
+
+
+def run_searches(runtime, admin):
+    out = {}
+    for query, filters in SEARCHES:
+        for mode in ("dense", "keyword", "hybrid"):
+            hits = runtime.memories.search(admin, SearchRequest(query=query, filters=filters, mode=mode, top_k=10))
+            out[(query, str(filters), mode)] = [h.memory for h in hits]
+    return out
+
+
+def test_contract_filters_and_modes(backend_runtime, admin):
+    load(backend_runtime, admin)
+    results = run_searches(backend_runtime, admin)
+    assert results[("P-884213", "{'user_id': 'u1'}", "keyword")] == ["Rosa's passport number is P-884213"]
+    travel = results[("travel", str(SEARCHES[4][1]), "dense")]
+    assert set(travel) == {"Rosa's passport number is P-884213", "Rosa prefers aisle seats on long flights"}
+    plants = results[("plants", str(SEARCHES[5][1]), "dense")]
+    assert set(plants) == {t for u, a, t, _ in CORPUS if u == "u2" or a == "a2"}
+    running = results[("running", str(SEARCHES[6][1]), "dense")]
+    assert set(running) == {"Rosa is training for a half marathon", "罗莎下个月要去成都吃火锅"}
+    assert results[("火锅", "{'user_id': 'u1'}", "keyword")] == ["罗莎下个月要去成都吃火锅"]
+    assert results[("爬山", str(SEARCHES[8][1]), "keyword")] == ["山姆喜欢在周末去爬山"]
+
+
+def test_contract_update_and_delete_reach_the_index(backend_runtime, admin):
+    ids = load(backend_runtime, admin)
+    backend_runtime.memories.update(admin, ids[0], UpdateRequest(text="Rosa keeps bees in the garden"))
+    backend_runtime.memories.delete(admin, ids[5])
+    hits = backend_runtime.memories.search(admin, SearchRequest(query="bees", filters={"user_id": "u1"}, mode="keyword"))
+    assert [h.id for h in hits] == [ids[0]]
+    sam = backend_runtime.memories.search(admin, SearchRequest(query="tomatoes", filters={"user_id": "u2"}))
+    assert ids[5] not in [h.id for h in sam]
+    assert backend_runtime.index.info().points == len(CORPUS) - 1
+
+
+def test_contract_position_is_recorded_and_reset_clears(backend_runtime, admin):
+    load(backend_runtime, admin)
+    index = backend_runtime.index
+    assert index.applied_position() == backend_runtime.sync.head() > 0
+    index.reset()
+    assert index.applied_position() == 0 and index.info().points == 0
+
+
+def test_contract_upsert_is_idempotent_and_tenant_is_always_filtered(backend_runtime):
+    index = backend_runtime.index
+    vector = [1.0] + [0.0] * (index.dimension - 1)
+    point = IndexPoint("7d9f1c8e-0000-4000-8000-000000000001", vector, SparseVector([11], [1.0]),
+                       {"tenant": "tA", "user_id": "u", "agent_id": "", "run_id": "", "metadata": {}})
+    index.upsert([point])
+    index.upsert([point])
+    query = IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "tA"),)), limit=5, dense=vector)
+    assert [h.id for h in index.search(query)] == [point.id]
+    other = IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "tB"),)), limit=5, dense=vector)
+    assert index.search(other) == []
+    negated = IndexQuery(mode="keyword", filter=All((Field("tenant", "eq", "tA"), Not(Any_((Field("user_id", "eq", "u"),))))),
+                         limit=5, sparse=SparseVector([11], [1.0]))
+    assert index.search(negated) == []
+
+
+def test_edge_and_qdrant_server_return_the_same_ids_in_the_same_order(tmp_path, embedder, admin):
+    """One SQL database, two indexes fed from its change log (as two replicas would be)."""
+    from qdrant_client import QdrantClient
+
+    from memory_server.services.index_sync import IndexSync
+    from memory_server.services.vector_memory import VectorMemory
+    from memory_server.storage.vectors.qdrant import QdrantServerIndex
+
+    rt = Runtime.open(make_settings(tmp_path / "edge"), embedder=embedder)
+    qdrant_index = QdrantServerIndex(QdrantClient(":memory:"), "memories", embedder.dimension, embedder.name)
+    try:
+        ids = load(rt, admin)
+        rt.memories.update(admin, ids[1], UpdateRequest(text="Rosa's flight to Lima moved to Saturday"))
+        rt.memories.delete(admin, ids[6])
+        qdrant_sync = IndexSync(rt.engine, qdrant_index, rt.sync.sparse)
+        assert qdrant_sync.catch_up() == rt.sync.head()
+        on_qdrant = VectorMemory(rt.settings, rt.engine, embedder, qdrant_index, qdrant_sync, rt.sync.sparse)
+        for query, filters in SEARCHES:
+            for mode in ("dense", "keyword", "hybrid"):
+                request = SearchRequest(query=query, filters=filters, mode=mode, top_k=5)
+                edge_hits = rt.memories.search(admin, request)
+                qdrant_hits = on_qdrant.search(admin, request)
+                assert [h.id for h in edge_hits] == [h.id for h in qdrant_hits], (query, filters, mode)
+                if mode != "keyword":  # BM25's IDF may count deleted points differently
+                    assert [h.score for h in edge_hits] == pytest.approx([h.score for h in qdrant_hits], abs=1e-4)
+    finally:
+        qdrant_index.close()
+        rt.close()

@@ -1,0 +1,159 @@
+"""Storage behaviour on SQLite and PostgreSQL: restart, reindex, crash repair, change-log replay."""
+
+import numpy as np
+import pytest
+from sqlmodel import Session, select
+
+from conftest import make_settings
+from memory_server.errors import StartupError, Unavailable
+from memory_server.models import ChangeLogEntry, MemoryRecord
+from memory_server.runtime import Runtime
+from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
+
+FACTS = [
+    "Quinn is vegetarian",
+    "Quinn's sister lives in Toronto",
+    "Quinn started a new job at a bakery in June",
+    "Quinn's laptop serial number is XK-55301",
+    "Quinn is afraid of flying",
+    "Quinn drinks oat milk lattes",
+]
+QUERIES = ["vegetarian meals", "family in Canada", "XK-55301", "travel by plane", "coffee order"]
+
+
+def fill(runtime, admin, user="quinn"):
+    response = runtime.memories.add_batch(admin, [AddRequest(text=t, user_id=user) for t in FACTS])
+    return [r.id for r in response.results]
+
+
+def answers(runtime, admin, user="quinn", scores=True):
+    out = {}
+    for query in QUERIES:
+        for mode in ("dense", "keyword", "hybrid"):
+            hits = runtime.memories.search(admin, SearchRequest(query=query, filters={"user_id": user}, mode=mode))
+            out[(query, mode)] = [(h.id, round(h.score, 4)) if scores else h.id for h in hits]
+    return out
+
+
+def test_restart_keeps_memories_history_and_search(settings, embedder, admin):
+    first = Runtime.open(settings, embedder=embedder)
+    ids = fill(first, admin)
+    first.memories.update(admin, ids[0], UpdateRequest(text="Quinn is vegan"))
+    before = answers(first, admin)
+    first.close()
+
+    second = Runtime.open(settings, embedder=embedder)
+    try:
+        assert second.memories.get(admin, ids[0]).memory == "Quinn is vegan"
+        assert [h.event for h in second.memories.history(admin, ids[0])] == ["ADD", "UPDATE"]
+        assert answers(second, admin) == before
+        assert second.index.info().points == len(FACTS)
+    finally:
+        second.close()
+
+
+def test_reindex_from_sql_gives_the_same_search_results(runtime, admin):
+    fill(runtime, admin)
+    runtime.memories.delete(admin, runtime.memories.list(admin, user_id="quinn").results[0].id)
+    # BM25's IDF still counts a deleted point until Qdrant vacuums it, so keyword scores may move
+    # after a rebuild; which memories come back, and their order, must not.
+    before = answers(runtime, admin, scores=False)
+    rebuilt = runtime.sync.rebuild()
+    assert rebuilt == len(FACTS) - 1
+    assert runtime.index.applied_position() == runtime.sync.head()
+    assert answers(runtime, admin, scores=False) == before
+
+
+def test_reindex_does_not_reembed(runtime, admin, monkeypatch):
+    fill(runtime, admin)
+    monkeypatch.setattr(runtime.embedder, "embed", lambda texts: pytest.fail("reindex must use stored vectors"))
+    assert runtime.sync.rebuild() == len(FACTS)
+
+
+def test_index_crash_after_sql_commit_is_repaired_on_restart(settings, embedder, admin, monkeypatch):
+    first = Runtime.open(settings, embedder=embedder)
+    ids = fill(first, admin)
+
+    def crash(*_args, **_kwargs):
+        raise RuntimeError("index process died")
+
+    # The SQL transaction commits, then the index fails before applying: the client hears 503.
+    monkeypatch.setattr(first.index, "upsert", crash)
+    monkeypatch.setattr(first.index, "delete", crash)
+    with pytest.raises(Unavailable):
+        first.memories.add(admin, AddRequest(text="Quinn adopted a kitten named Pixel", user_id="quinn"))
+    with pytest.raises(Unavailable):
+        first.memories.delete(admin, ids[4])
+    monkeypatch.undo()
+    first.close()
+
+    second = Runtime.open(settings, embedder=embedder)
+    try:
+        found = second.memories.search(admin, SearchRequest(query="kitten", filters={"user_id": "quinn"}, mode="keyword"))
+        assert [h.memory for h in found] == ["Quinn adopted a kitten named Pixel"]
+        flying = second.memories.search(admin, SearchRequest(query="afraid of flying", filters={"user_id": "quinn"}))
+        assert ids[4] not in [h.id for h in flying]
+        assert second.index.info().points == len(FACTS)  # 6 - 1 deleted + 1 added
+        assert second.index.applied_position() == second.sync.head()
+    finally:
+        second.close()
+
+
+def test_replaying_the_whole_log_is_idempotent(runtime, admin):
+    ids = fill(runtime, admin)
+    runtime.memories.update(admin, ids[1], UpdateRequest(text="Quinn's sister moved to Vancouver"))
+    runtime.memories.delete(admin, ids[2])
+    before = answers(runtime, admin)
+    runtime.index.set_applied_position(0)
+    assert runtime.sync.catch_up() == runtime.sync.head()
+    assert answers(runtime, admin) == before
+    assert runtime.index.info().points == len(FACTS) - 1
+
+
+def test_one_transaction_writes_row_embedding_and_log_entry(runtime, admin):
+    [memory_id] = fill(runtime, admin)[:1]
+    with Session(runtime.engine) as session:
+        row = session.get(MemoryRecord, memory_id)
+        entries = session.exec(select(ChangeLogEntry).where(ChangeLogEntry.memory_id == memory_id)).all()
+    stored = np.frombuffer(row.embedding, dtype=np.float32)
+    assert stored.shape == (runtime.embedder.dimension,)
+    assert np.allclose(stored, runtime.embedder.embed([FACTS[0]])[0], atol=1e-5)
+    assert [e.op for e in entries] == ["upsert"]
+    positions = [e.position for e in Session(runtime.engine).exec(select(ChangeLogEntry).order_by(ChangeLogEntry.position))]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+
+
+def test_failed_batch_writes_nothing(runtime, admin):
+    items = [AddRequest(text=t, user_id="quinn") for t in FACTS] + [AddRequest(text="   ", user_id="quinn")]
+    with pytest.raises(Exception):
+        runtime.memories.add_batch(admin, items)
+    assert runtime.memories.list(admin, user_id="quinn").results == []
+    assert runtime.sync.head() == 0
+
+
+class TinyEmbedder:
+    """Stands in for a different model: only its dimension matters to this test."""
+
+    name = "tiny-test-model"
+    dimension = 8
+
+    def embed(self, texts):
+        return np.ones((len(texts), 8), dtype=np.float32) / np.sqrt(8)
+
+
+@pytest.mark.parametrize("backend", ["edge", "qdrant"])
+def test_model_with_another_dimension_is_refused_at_startup(tmp_path, embedder, backend):
+    if backend == "qdrant":
+        from qdrant_client import QdrantClient
+
+        from memory_server.storage.vectors.qdrant import QdrantServerIndex
+
+        client = QdrantClient(":memory:")
+        QdrantServerIndex(client, "memories", embedder.dimension, embedder.name)
+        with pytest.raises(StartupError, match="dimension|384"):
+            QdrantServerIndex(client, "memories", TinyEmbedder.dimension, TinyEmbedder.name)
+        return
+    settings = make_settings(tmp_path / "data")
+    Runtime.open(settings, embedder=embedder).close()
+    with pytest.raises(StartupError, match="384-dimensional"):
+        Runtime.open(settings, embedder=TinyEmbedder())

@@ -1,0 +1,291 @@
+"""Vector memory behaviour through the real HTTP server: search semantics, dedup, expiry, history, updates."""
+
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+FOODS = [
+    "Alice is allergic to peanuts",
+    "Alice's favourite cuisine is Japanese, especially sushi",
+    "Alice works as a nurse at the city hospital",
+    "Alice has a golden retriever named Biscuit",
+    "Alice plays tennis every Saturday morning",
+    "Alice is learning to speak Portuguese",
+    "Alice's order O-1001 was delivered late",
+    "Alice drives a blue electric car",
+]
+
+
+def add(c, text, **fields):
+    body = {"text": text, "user_id": "alice", **fields}
+    response = c.post("/v1/memories", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["results"][0]
+
+
+def search(c, query, **body):
+    body.setdefault("filters", {"user_id": "alice"})
+    response = c.post("/v1/memories/search", json={"query": query, **body})
+    assert response.status_code == 200, response.text
+    return response.json()["results"]
+
+
+@pytest.fixture
+def alice(server):
+    with server.client() as c:
+        response = c.post("/v1/memories/batch", json={"items": [{"text": t, "user_id": "alice"} for t in FOODS]})
+        assert response.status_code == 200, response.text
+        yield c
+
+
+def test_add_returns_id_and_event_and_get_reads_it_back(server):
+    with server.client() as c:
+        result = add(c, "Bob prefers window seats", user_id="bob", metadata={"topic": "travel"})
+        assert result["event"] == "ADD"
+        got = c.get(f"/v1/memories/{result['id']}").json()
+        assert got["memory"] == "Bob prefers window seats"
+        assert got["user_id"] == "bob" and got["agent_id"] is None and got["metadata"] == {"topic": "travel"}
+        assert got["hash"] and got["created_at"].endswith("Z") or "+00:00" in got["created_at"]
+
+
+def test_messages_store_each_non_system_message_with_its_role(server):
+    with server.client() as c:
+        response = c.post("/v1/memories", json={"user_id": "carol", "messages": [
+            {"role": "system", "content": "You are helpful"},
+            {"role": "user", "content": "I moved to Lisbon last spring"},
+            {"role": "assistant", "content": "Lisbon is lovely in May"},
+        ]})
+        results = response.json()["results"]
+        assert [r["memory"] for r in results] == ["I moved to Lisbon last spring", "Lisbon is lovely in May"]
+        roles = {c.get(f"/v1/memories/{r['id']}").json()["metadata"]["role"] for r in results}
+        assert roles == {"user", "assistant"}
+
+
+def test_infer_true_falls_back_to_raw_and_says_so(server):
+    with server.client() as c:
+        body = c.post("/v1/memories", json={"user_id": "dan", "text": "Dan likes jazz", "infer": True}).json()
+        assert body["results"][0]["event"] == "ADD"
+        assert any("infer" in w for w in body["warnings"])
+
+
+def test_search_ranks_the_relevant_memory_first_in_every_mode(alice):
+    for mode in ("dense", "hybrid"):
+        assert search(alice, "Which cuisine does Alice enjoy most?", mode=mode)[0]["memory"] == FOODS[1]
+    assert search(alice, "Portuguese lessons", mode="keyword")[0]["memory"] == FOODS[5]
+
+
+def test_scores_are_in_unit_interval_and_best_first(alice):
+    for mode in ("dense", "keyword", "hybrid"):
+        results = search(alice, "Alice dog retriever", mode=mode, top_k=8)
+        scores = [r["score"] for r in results]
+        assert results and all(0.0 <= s <= 1.0 for s in scores)
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_hybrid_score_is_one_when_both_retrievers_rank_it_first(alice):
+    top = search(alice, "golden retriever named Biscuit", mode="hybrid")[0]
+    assert top["memory"] == FOODS[3] and top["score"] == pytest.approx(1.0)
+
+
+def test_top_k_limits_the_number_of_results(alice):
+    assert len(search(alice, "Alice", mode="dense", top_k=3)) == 3
+    assert len(search(alice, "Alice", mode="dense", top_k=100)) == len(FOODS)
+
+
+def test_threshold_drops_results_below_it(alice):
+    everything = search(alice, "pets and animals", mode="dense", top_k=8)
+    cut = everything[2]["score"]
+    kept = search(alice, "pets and animals", mode="dense", top_k=8, threshold=cut)
+    assert [r["id"] for r in kept] == [r["id"] for r in everything if r["score"] >= cut]
+    assert search(alice, "pets and animals", mode="dense", threshold=0.99) == []
+
+
+def test_hybrid_finds_rare_token_that_dense_misses(server):
+    with server.client() as c:
+        similar = [f"The status of order O-{n} is shipped" for n in (1002, 1010, 1100, 2001, 1000, 7001, 1011, 1021)]
+        target = "Package O-1001 left the warehouse in Rotterdam"
+        items = [{"text": t, "user_id": "shop"} for t in similar + [target]]
+        assert {r["event"] for r in c.post("/v1/memories/batch", json={"items": items}).json()["results"]} == {"ADD"}
+        query = "What is the status of order O-1001?"
+
+        def top(mode):
+            return [r["memory"] for r in search(c, query, mode=mode, top_k=5, filters={"user_id": "shop"})]
+
+        assert target not in top("dense")
+        assert target in top("hybrid")
+        assert top("keyword")[0] == target
+
+
+def test_keyword_search_works_for_chinese(server):
+    with server.client() as c:
+        texts = ["我喜欢吃四川火锅", "今天北京的天气很好", "下周三我要去上海出差", "我的猫叫小白，它很喜欢睡觉"]
+        c.post("/v1/memories/batch", json={"items": [{"text": t, "user_id": "li"} for t in texts]})
+        for query, expected in [("火锅", texts[0]), ("上海出差", texts[2]), ("小白", texts[3])]:
+            for mode in ("keyword", "hybrid"):
+                assert search(c, query, mode=mode, filters={"user_id": "li"})[0]["memory"] == expected
+
+
+def test_exact_duplicate_in_same_scope_is_noop_with_existing_id(server):
+    with server.client() as c:
+        first = add(c, "Erin's birthday is on March 3")
+        again = add(c, "Erin's birthday is on March 3")
+        assert again["event"] == "NOOP" and again["id"] == first["id"]
+        elsewhere = add(c, "Erin's birthday is on March 3", user_id="someone-else")
+        assert elsewhere["event"] == "ADD" and elsewhere["id"] != first["id"]
+
+
+def test_near_duplicate_is_noop_but_different_fact_is_added(server):
+    with server.client() as c:
+        first = add(c, "Frank lives in Berlin, Germany.")
+        near = add(c, "Frank lives in Berlin, Germany")
+        assert near["event"] == "NOOP" and near["id"] == first["id"]
+        assert add(c, "Frank used to live in Madrid")["event"] == "ADD"
+
+
+def test_duplicates_inside_one_batch_collapse(server):
+    with server.client() as c:
+        body = {"items": [{"text": "Gina owns a red bicycle", "user_id": "gina"},
+                          {"text": "Gina owns a red bicycle.", "user_id": "gina"}]}
+        results = c.post("/v1/memories/batch", json=body).json()["results"]
+        assert [r["event"] for r in results] == ["ADD", "NOOP"] and results[0]["id"] == results[1]["id"]
+
+
+def test_expired_memories_never_come_back_and_are_purged(server):
+    with server.client() as c:
+        soon = (datetime.now(timezone.utc) + timedelta(seconds=1.5)).isoformat()
+        short = add(c, "Hank's door code is 4471", user_id="hank", expires_at=soon)
+        add(c, "Hank enjoys fishing", user_id="hank")
+        assert len(search(c, "door code", filters={"user_id": "hank"})) == 2
+        time.sleep(2.0)
+        assert [r["memory"] for r in search(c, "door code", filters={"user_id": "hank"})] == ["Hank enjoys fishing"]
+        assert c.get(f"/v1/memories/{short['id']}").status_code == 404
+        listed = c.get("/v1/memories", params={"user_id": "hank"}).json()["results"]
+        assert [m["memory"] for m in listed] == ["Hank enjoys fishing"]
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            history = c.get(f"/v1/memories/{short['id']}/history").json()["results"]
+            if history[-1]["event"] == "DELETE":
+                break
+            time.sleep(0.2)
+        assert history[-1]["event"] == "DELETE" and history[-1]["actor"] == "system:expiry"
+
+
+def test_update_reembeds_so_search_follows_the_new_text(server):
+    with server.client() as c:
+        memory = add(c, "Ivy's favourite sport is swimming", user_id="ivy")
+        add(c, "Ivy reads science fiction novels", user_id="ivy")
+        updated = c.patch(f"/v1/memories/{memory['id']}", json={"text": "Ivy's favourite instrument is the cello"})
+        assert updated.status_code == 200 and updated.json()["memory"] == "Ivy's favourite instrument is the cello"
+        top = search(c, "What music does Ivy play?", mode="dense", filters={"user_id": "ivy"})[0]
+        assert top["id"] == memory["id"]
+        swim = search(c, "swimming pool", mode="keyword", filters={"user_id": "ivy"})
+        assert memory["id"] not in [r["id"] for r in swim]
+
+
+def test_update_metadata_and_expiry_only(server):
+    with server.client() as c:
+        memory = add(c, "Jack's locker is number 12", user_id="jack", metadata={"v": 1})
+        body = c.patch(f"/v1/memories/{memory['id']}", json={"metadata": {"v": 2}}).json()
+        assert body["metadata"] == {"v": 2} and body["memory"] == "Jack's locker is number 12"
+        results = search(c, "locker", filters={"user_id": "jack", "metadata.v": 2})
+        assert [r["id"] for r in results] == [memory["id"]]
+
+
+def test_history_records_add_update_delete_with_actor(server):
+    with server.client() as c:
+        memory = add(c, "Kim's cat is called Miso", user_id="kim")
+        c.patch(f"/v1/memories/{memory['id']}", json={"text": "Kim's cat is called Tofu"})
+        assert c.delete(f"/v1/memories/{memory['id']}").json() == {"deleted": 1}
+        history = c.get(f"/v1/memories/{memory['id']}/history").json()["results"]
+        assert [h["event"] for h in history] == ["ADD", "UPDATE", "DELETE"]
+        assert history[0]["old_memory"] is None and history[0]["new_memory"] == "Kim's cat is called Miso"
+        assert history[1]["old_memory"] == "Kim's cat is called Miso"
+        assert history[1]["new_memory"] == "Kim's cat is called Tofu"
+        assert history[2]["old_memory"] == "Kim's cat is called Tofu" and history[2]["new_memory"] is None
+        keys = c.get("/v1/admin/keys").json()["results"]
+        assert {h["actor"] for h in history} == {keys[0]["id"]}
+        assert c.get(f"/v1/memories/{memory['id']}").status_code == 404
+        assert search(c, "cat", filters={"user_id": "kim"}) == []
+
+
+def test_delete_scope_removes_only_that_scope(server):
+    with server.client() as c:
+        for text in ("Leo grows carrots", "Leo repaired his bike", "Leo's sister is a pilot"):
+            add(c, text, user_id="leo", run_id="r1")
+        add(c, "Leo likes tulips", user_id="leo", run_id="r2")
+        assert c.delete("/v1/memories", params={"user_id": "leo", "run_id": "r1"}).json() == {"deleted": 3}
+        remaining = c.get("/v1/memories", params={"user_id": "leo"}).json()["results"]
+        assert [m["memory"] for m in remaining] == ["Leo likes tulips"]
+
+
+def test_list_paginates_newest_first_with_cursor(server):
+    with server.client() as c:
+        texts = ["Mia visited Paris", "Mia owns a parrot", "Mia studies chemistry", "Mia's brother is Tom",
+                 "Mia runs marathons", "Mia dislikes olives", "Mia was born in Oslo"]
+        for text in texts:
+            add(c, text, user_id="mia")
+        seen, cursor = [], None
+        while True:
+            params = {"user_id": "mia", "limit": 3, **({"cursor": cursor} if cursor else {})}
+            page = c.get("/v1/memories", params=params).json()
+            seen += [m["memory"] for m in page["results"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == list(reversed(texts))
+
+
+FILTER_CASES = [
+    ({"metadata.kind": "food"}, {"pizza", "ramen"}),
+    ({"metadata.kind": {"ne": "food"}}, {"hiking", "chess"}),
+    ({"metadata.rating": {"gte": 4}}, {"pizza", "hiking"}),
+    ({"metadata.rating": {"lt": 4}}, {"ramen", "chess"}),
+    ({"metadata.kind": {"in": ["sport", "game"]}}, {"hiking", "chess"}),
+    ({"metadata.kind": {"nin": ["sport", "game"]}}, {"pizza", "ramen"}),
+    ({"metadata.tags": {"contains": "outdoor"}}, {"hiking"}),
+    ({"metadata.note": {"contains": "weekend"}}, {"chess", "hiking"}),
+    ({"OR": [{"metadata.kind": "sport"}, {"metadata.rating": 1}]}, {"hiking", "chess"}),
+    ({"NOT": [{"metadata.kind": "food"}]}, {"hiking", "chess"}),
+    ({"AND": [{"metadata.kind": "food"}, {"metadata.rating": {"gt": 4}}]}, {"pizza"}),
+    ({"metadata": {"kind": "game"}}, {"chess"}),
+]
+
+
+@pytest.mark.parametrize("filters,expected", FILTER_CASES, ids=[str(f) for f, _ in FILTER_CASES])
+def test_metadata_filters(server, filters, expected):
+    with server.client() as c:
+        items = [
+            ("Nora loves pizza", {"kind": "food", "rating": 5, "tags": ["italian"], "note": "any day"}),
+            ("Nora eats ramen", {"kind": "food", "rating": 3, "tags": ["japanese"], "note": "cold days"}),
+            ("Nora goes hiking", {"kind": "sport", "rating": 4, "tags": ["outdoor"], "note": "every weekend"}),
+            ("Nora plays chess", {"kind": "game", "rating": 1, "tags": ["indoor"], "note": "weekend evenings"}),
+        ]
+        c.post("/v1/memories/batch", json={"items": [{"text": t, "user_id": "nora", "metadata": m} for t, m in items]})
+        for mode in ("dense", "keyword", "hybrid"):
+            results = search(c, "Nora pizza ramen hiking chess", mode=mode, top_k=10,
+                             filters={"AND": [{"user_id": "nora"}, filters]})
+            assert {r["memory"].split()[-1] for r in results} == expected
+
+
+def test_created_at_range_filter(server):
+    with server.client() as c:
+        add(c, "Omar planted tomatoes", user_id="omar")
+        time.sleep(0.05)
+        middle = datetime.now(timezone.utc).isoformat()
+        time.sleep(0.05)
+        add(c, "Omar harvested tomatoes", user_id="omar")
+        after = search(c, "tomatoes", filters={"user_id": "omar", "created_at": {"gt": middle}})
+        before = search(c, "tomatoes", filters={"user_id": "omar", "created_at": {"lte": middle}})
+        assert [r["memory"] for r in after] == ["Omar harvested tomatoes"]
+        assert [r["memory"] for r in before] == ["Omar planted tomatoes"]
+
+
+def test_scope_filters_on_agent_and_run(server):
+    with server.client() as c:
+        add(c, "Pia prefers tea", user_id="pia", agent_id="chef", run_id="r1")
+        add(c, "Pia prefers green tea in the morning", user_id="pia", agent_id="coach", run_id="r2")
+        by_agent = search(c, "tea", filters={"user_id": "pia", "agent_id": "coach"})
+        by_run = search(c, "tea", filters={"run_id": "r1"})
+        assert [r["agent_id"] for r in by_agent] == ["coach"]
+        assert [r["run_id"] for r in by_run] == ["r1"]

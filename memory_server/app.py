@@ -62,8 +62,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        location = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-        field = ".".join(location) or None
+        loc = list(first.get("loc", ()))
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        location = [f"[{p}]" if isinstance(p, int) else str(p) for p in loc]
+        field = ".".join(location).replace(".[", "[") or None
         if first.get("type") == "json_invalid":
             return error_response(400, "malformed_json", "request body is not valid JSON", None)
         if first.get("type") == "missing" and not location:
@@ -107,21 +110,30 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+        if declared is not None:
+            return await self.app(scope, receive, send)  # the server holds the client to its Content-Length
+        # No Content-Length (chunked): read the body here, refusing it as soon as it is too large.
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
-            return message
+            if message["type"] != "http.request":
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except PayloadTooLarge:
-            await self._refuse(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send):
         response = error_response(413, "payload_too_large", f"request body exceeds {self.max_bytes} bytes")

@@ -7,7 +7,6 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-from rich.table import Table
 from sqlmodel import Session
 
 from memory_server.config import Settings
@@ -44,18 +43,27 @@ def serve(
 
 
 @app.command()
-def reindex(data_dir: DataDir = None) -> None:
-    """Rebuild the vector index from SQL (stored embeddings; nothing is re-embedded)."""
+def reindex(
+    data_dir: DataDir = None,
+    reembed: Annotated[bool, typer.Option("--reembed", help="Embed every memory again with the configured model "
+                                                            "(needed after changing MEMORY_SERVER_EMBEDDING_MODEL).")] = False,
+) -> None:
+    """Rebuild the vector index from SQL (stored embeddings unless --reembed)."""
+    from memory_server.errors import StartupError
     from memory_server.runtime import Runtime
 
-    runtime = Runtime.open(_settings(data_dir))
+    runtime = Runtime.open(_settings(data_dir), recreate_index=True)
     try:
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as progress:
             task = progress.add_task("reindexing", total=None)
-            done = runtime.sync.rebuild(lambda n, total: progress.update(task, completed=n, total=total))
+            done = runtime.sync.rebuild(lambda n, total: progress.update(task, completed=n, total=total),
+                                        reembed=runtime.embedder if reembed else None)
         runtime.sync.catch_up()
-        console.print(f"reindexed {done} memories")
+        console.print(f"reindexed {done} memories" + (" (re-embedded)" if reembed else ""))
+    except StartupError as exc:
+        console.print(f"error: {exc}")
+        raise typer.Exit(2) from None
     finally:
         runtime.close()
 
@@ -103,12 +111,11 @@ def keys_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tena
     with Session(engine) as session:
         rows = list_keys(session, tenant)
     engine.dispose()
-    table = Table("id", "tenant", "role", "user_ids", "agent_ids", "label", "created", "revoked")
+    print("\t".join(("id", "tenant", "role", "user_ids", "agent_ids", "label", "created", "revoked")))
     for r in rows:
-        table.add_row(r.id, r.tenant_id, r.role, ",".join(r.user_ids), ",".join(r.agent_ids), r.label or "",
-                      r.created_at.isoformat(timespec="seconds"),
-                      r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "")
-    Console().print(table)
+        print("\t".join((r.id, r.tenant_id, r.role, ",".join(r.user_ids) or "-", ",".join(r.agent_ids) or "-",
+                         r.label or "-", r.created_at.isoformat(timespec="seconds"),
+                         r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-")))
 
 
 @keys_app.command("revoke")

@@ -22,6 +22,7 @@ class Settings(BaseSettings):
 
     embedding_model: str = "all-MiniLM-L6-v2"
     embedding_backend: Literal["torch", "onnx"] = "torch"
+    embedding_device: str = "cpu"
     embedding_batch_size: int = Field(64, ge=1, le=4096)
     query_cache_size: int = Field(1024, ge=0)
 

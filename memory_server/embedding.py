@@ -22,14 +22,14 @@ class Embedder:
     """Thread-safe. Returns L2-normalised float32 vectors (cosine = dot product)."""
 
     def __init__(self, model: str = BUNDLED_MODEL, *, backend: str = "torch", batch_size: int = 64,
-                 cache_size: int = 1024):
+                 cache_size: int = 1024, device: str = "cpu"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from sentence_transformers import SentenceTransformer
 
         self.name = model
         self.batch_size = batch_size
-        self._model = SentenceTransformer(resolve_model_path(model), device="cpu", backend=backend)
+        self._model = SentenceTransformer(resolve_model_path(model), device=device, backend=backend)
         self.dimension = int(self._model.get_embedding_dimension() if hasattr(self._model, "get_embedding_dimension")
                              else self._model.get_sentence_embedding_dimension())
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()

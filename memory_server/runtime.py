@@ -24,7 +24,7 @@ BOOTSTRAP_KEY_FILE = "bootstrap-admin.key"
 BOOTSTRAP_TENANT = "default"
 
 
-def open_index(settings: Settings, dimension: int, model: str) -> VectorIndex:
+def open_index(settings: Settings, dimension: int, model: str, *, recreate: bool = False) -> VectorIndex:
     if settings.qdrant_url:
         from qdrant_client import QdrantClient
 
@@ -32,10 +32,10 @@ def open_index(settings: Settings, dimension: int, model: str) -> VectorIndex:
 
         client = QdrantClient(location=":memory:") if settings.qdrant_url == ":memory:" else \
             QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
-        return QdrantServerIndex(client, settings.qdrant_collection, dimension, model)
+        return QdrantServerIndex(client, settings.qdrant_collection, dimension, model, recreate=recreate)
     from memory_server.storage.vectors.edge import EdgeIndex
 
-    return EdgeIndex(settings.data_dir / "index", dimension, model)
+    return EdgeIndex(settings.data_dir / "index", dimension, model, recreate=recreate)
 
 
 def open_database(settings: Settings) -> Engine:
@@ -71,15 +71,18 @@ class Runtime:
     _worker: threading.Thread | None = None
 
     @classmethod
-    def open(cls, settings: Settings, *, embedder: Embedder | None = None, background: bool = False) -> "Runtime":
+    def open(cls, settings: Settings, *, embedder: Embedder | None = None, background: bool = False,
+             recreate_index: bool = False) -> "Runtime":
+        """`recreate_index` starts from an empty index (reindex); otherwise the stored one is checked."""
         engine = open_database(settings)
         embedder = embedder or Embedder(settings.embedding_model, backend=settings.embedding_backend,
                                         batch_size=settings.embedding_batch_size,
-                                        cache_size=settings.query_cache_size)
-        index = open_index(settings, embedder.dimension, embedder.name)
+                                        cache_size=settings.query_cache_size, device=settings.embedding_device)
+        index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
         sparse = SparseEncoder()
         sync = IndexSync(engine, index, sparse)
-        sync.catch_up()  # repair: replay whatever SQL committed that the index has not applied
+        if not recreate_index:
+            sync.catch_up()  # repair: replay whatever SQL committed that the index has not applied
         memories = VectorMemory(settings, engine, embedder, index, sync, sparse)
         runtime = cls(settings, engine, embedder, index, sync, memories)
         if background:
@@ -109,7 +112,11 @@ class Runtime:
                 log.exception("maintenance round failed")
 
     def ready(self) -> dict:
-        checks = {"database": ping(self.engine), "model": self.embedder is not None}
+        checks = {"database": ping(self.engine)}
+        try:
+            checks["model"] = self.embedder.embed_query("readiness probe").shape == (self.embedder.dimension,)
+        except Exception:
+            checks["model"] = False
         try:
             self.index.info()
             checks["index"] = True

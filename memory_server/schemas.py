@@ -21,12 +21,36 @@ def validate_scope_id(value: str, field: str) -> str:
 
 
 def _as_utc(value: datetime | None) -> datetime | None:
-    if value is not None and value.tzinfo is None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc) if value is not None else None
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError("time is out of range once converted to UTC") from None
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_json_numbers(value: Any, depth: int = 0) -> Any:
+    """Metadata must fit the index's payload: integers in 64 bits, nesting at most 8 levels."""
+    if depth > 8:
+        raise ValueError("metadata is nested too deeply (8 levels at most)")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        raise ValueError("metadata integers must fit in 64 bits")
+    if isinstance(value, dict):
+        for item in value.values():
+            check_json_numbers(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            check_json_numbers(item, depth + 1)
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(check_json_numbers)]
 
 
 class _Strict(BaseModel):
@@ -49,7 +73,7 @@ class AddRequest(BaseModel):
     user_id: ScopeId | None = None
     agent_id: ScopeId | None = None
     run_id: ScopeId | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     expires_at: UtcDatetime | None = None
     infer: bool = False
 
@@ -85,7 +109,7 @@ class SearchRequest(BaseModel):
 
 class UpdateRequest(_Strict):
     text: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     expires_at: UtcDatetime | None = None
 
 

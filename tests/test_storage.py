@@ -138,7 +138,7 @@ class TinyEmbedder:
     dimension = 8
 
     def embed(self, texts):
-        return np.ones((len(texts), 8), dtype=np.float32) / np.sqrt(8)
+        return np.full((len(texts), 8), 8 ** -0.5, dtype=np.float32)
 
 
 @pytest.mark.parametrize("backend", ["edge", "qdrant"])
@@ -157,3 +157,24 @@ def test_model_with_another_dimension_is_refused_at_startup(tmp_path, embedder, 
     Runtime.open(settings, embedder=embedder).close()
     with pytest.raises(StartupError, match="384-dimensional"):
         Runtime.open(settings, embedder=TinyEmbedder())
+
+
+def test_reindex_reembed_switches_models_and_plain_reindex_refuses(tmp_path, embedder, admin):
+    settings = make_settings(tmp_path / "data")
+    rt = Runtime.open(settings, embedder=embedder)
+    fill(rt, admin)
+    rt.close()
+
+    tiny = TinyEmbedder()
+    rt = Runtime.open(settings, embedder=tiny, recreate_index=True)  # what `memory-server reindex` does
+    try:
+        with pytest.raises(StartupError, match="--reembed"):
+            rt.sync.rebuild()
+        assert rt.sync.rebuild(reembed=tiny) == len(FACTS)
+        with Session(rt.engine) as session:
+            assert {len(r.embedding) for r in session.exec(select(MemoryRecord))} == {4 * tiny.dimension}
+    finally:
+        rt.close()
+    Runtime.open(settings, embedder=tiny).close()  # the new model now starts cleanly
+    with pytest.raises(StartupError, match="tiny-test-model"):
+        Runtime.open(settings, embedder=embedder)

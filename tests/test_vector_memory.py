@@ -289,3 +289,16 @@ def test_scope_filters_on_agent_and_run(server):
         by_run = search(c, "tea", filters={"run_id": "r1"})
         assert [r["agent_id"] for r in by_agent] == ["coach"]
         assert [r["run_id"] for r in by_run] == ["r1"]
+
+
+def test_boolean_metadata_filters_match_on_every_backend(server):
+    with server.client() as c:
+        c.post("/v1/memories/batch", json={"items": [
+            {"text": "Rex is a premium customer", "user_id": "rex", "metadata": {"vip": True}},
+            {"text": "Rex asked about shipping costs", "user_id": "rex", "metadata": {"vip": False}},
+        ]})
+        vip = search(c, "customer", filters={"user_id": "rex", "metadata.vip": True})
+        not_vip = search(c, "customer", filters={"user_id": "rex", "metadata.vip": {"ne": True}})
+        assert [r["memory"] for r in vip] == ["Rex is a premium customer"]
+        assert [r["memory"] for r in not_vip] == ["Rex asked about shipping costs"]
+        assert vip[0]["metadata"] == {"vip": True}  # stored and returned as JSON booleans

@@ -6,7 +6,7 @@ from typing import Any
 
 from memory_server.auth import Principal
 from memory_server.errors import Forbidden, InvalidInput
-from memory_server.schemas import validate_scope_id
+from memory_server.schemas import check_json_numbers, validate_scope_id
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not, walk_fields
 
 SCOPE_FIELDS = ("user_id", "agent_id", "run_id")
@@ -118,6 +118,10 @@ def _list(value: Any, where: str) -> list:
 
 
 def _metadata_operand(op: str, value: Any, where: str) -> Any:
+    try:
+        check_json_numbers(value)
+    except ValueError as exc:
+        raise InvalidInput(str(exc).replace("metadata", "filter"), field=where) from None
     if op in RANGE_OPS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidInput(f"{op} on metadata compares numbers", field=where)
@@ -134,7 +138,7 @@ def _metadata_operand(op: str, value: Any, where: str) -> Any:
         return value
     if value is None or isinstance(value, (dict, list)):
         raise InvalidInput(f"{op} compares a string, number or boolean", field=where)
-    return value
+    return int(value) if isinstance(value, bool) else value  # see index_sync.payload_metadata
 
 
 def bounds_scope(node: Condition) -> bool:

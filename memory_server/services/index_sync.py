@@ -8,10 +8,23 @@ from sqlalchemy import func
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from memory_server.errors import StartupError
 from memory_server.models import ChangeLogEntry, MemoryRecord
 from memory_server.services.filters import NEVER
 from memory_server.storage.vectors import IndexPoint, VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
+
+
+def payload_metadata(value):
+    """Booleans are indexed as 1/0: Qdrant Edge's Python binding turns a bool match into an integer
+    one, so both backends store and match booleans as integers (and filters convert likewise)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, dict):
+        return {k: payload_metadata(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [payload_metadata(v) for v in value]
+    return value
 
 
 def point_for(row: MemoryRecord, sparse: SparseEncoder) -> IndexPoint:
@@ -24,7 +37,7 @@ def point_for(row: MemoryRecord, sparse: SparseEncoder) -> IndexPoint:
         "created_at": row.created_at.timestamp(),
         "updated_at": row.updated_at.timestamp(),
         "expires_at": row.expires_at.timestamp() if row.expires_at else NEVER,
-        "metadata": row.meta,
+        "metadata": payload_metadata(row.meta),
     }
     dense = np.frombuffer(row.embedding, dtype=np.float32).tolist()
     return IndexPoint(row.id, dense, sparse.document(row.text), payload)
@@ -73,8 +86,9 @@ class IndexSync:
         self.index.upsert([point_for(rows[i], self.sparse) for i in wanted if i in rows])
         self.index.delete([i for i in wanted if i not in rows])
 
-    def rebuild(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Rebuild the index from SQL alone (stored embeddings: nothing is re-embedded)."""
+    def rebuild(self, progress: Callable[[int, int], None] | None = None, *, reembed=None) -> int:
+        """Rebuild the index from SQL alone. Stored embeddings are used as they are, unless `reembed`
+        (an Embedder) is given: then every memory is embedded again and its stored vector replaced."""
         with self._lock:
             head = self.head()
             self.index.reset()
@@ -87,6 +101,15 @@ class IndexSync:
                     ).all()
                     if not rows:
                         break
+                    if reembed is not None:
+                        for row, vector in zip(rows, reembed.embed([row.text for row in rows])):
+                            row.embedding = vector.tobytes()
+                            session.add(row)
+                        session.commit()
+                    elif len(rows[0].embedding) != 4 * self.index.dimension:
+                        raise StartupError(
+                            f"stored embeddings have {len(rows[0].embedding) // 4} dimensions, the configured model "
+                            f"makes {self.index.dimension}; run `memory-server reindex --reembed`")
                     self.index.upsert([point_for(row, self.sparse) for row in rows])
                     done, last_id = done + len(rows), rows[-1].id
                     session.expunge_all()

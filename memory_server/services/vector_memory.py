@@ -103,15 +103,15 @@ class VectorMemory:
                 digest = text_hash(text)
                 duplicate = existing.get((scope, digest)) or self._near_duplicate(
                     session, principal, scope, text, vector, added, now)
-                if duplicate:
-                    results.append(AddResult(id=duplicate, memory=text, event="NOOP"))
+                if duplicate:  # the memory already held, as stored
+                    results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
                     continue
                 row = MemoryRecord(id=str(uuid.uuid4()), tenant_id=principal.tenant_id, user_id=scope[0],
                                    agent_id=scope[1], run_id=scope[2], text=text, hash=digest, meta=metadata,
                                    embedding=vector.tobytes(), created_at=now, updated_at=now, expires_at=expires_at)
                 session.add(row)
                 self._record(session, row, "ADD", None, text, principal.key_id, "upsert")
-                existing[(scope, digest)] = row.id
+                existing[(scope, digest)] = (row.id, text)
                 added.append((scope, vector, row.id, text))
                 results.append(AddResult(id=row.id, memory=text, event="ADD"))
             session.commit()
@@ -143,13 +143,14 @@ class VectorMemory:
 
     def _exact_duplicates(self, session: Session, tenant_id: str, hashes: list[str], now: datetime) -> dict:
         rows = session.exec(
-            select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash)
+            select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash,
+                   MemoryRecord.text)
             .where(MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_(set(hashes)), _alive(now))
         ).all()
-        return {((u, a, r), h): i for i, u, a, r, h in rows}
+        return {((u, a, r), h): (i, t) for i, u, a, r, h, t in rows}
 
     def _near_duplicate(self, session: Session, principal: Principal, scope: Scope, text: str, vector: np.ndarray,
-                        added: list[tuple[Scope, np.ndarray, str, str]], now: datetime) -> str | None:
+                        added: list[tuple[Scope, np.ndarray, str, str]], now: datetime) -> tuple[str, str] | None:
         """Same scope, cosine >= the dedup threshold, and the same numbers (so "order O-1002" and
         "order O-1010", which MiniLM embeds almost identically, stay two memories)."""
         threshold = self.settings.dedup_threshold
@@ -157,7 +158,7 @@ class VectorMemory:
         for other_scope, other_vector, other_id, other_text in added:
             if (other_scope == scope and float(np.dot(vector, other_vector)) >= threshold
                     and _numbers(other_text) == numbers):
-                return other_id
+                return other_id, other_text
         condition = All((
             Field("tenant", "eq", principal.tenant_id),
             *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), scope)),
@@ -169,7 +170,7 @@ class VectorMemory:
             return None
         rows = session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(candidates))).all()
         texts = dict(rows)
-        return next((i for i in candidates if i in texts and _numbers(texts[i]) == numbers), None)
+        return next(((i, texts[i]) for i in candidates if i in texts and _numbers(texts[i]) == numbers), None)
 
     def _record(self, session: Session, row: MemoryRecord, event: str, old: str | None, new: str | None,
                 actor: str, op: str) -> None:
@@ -207,7 +208,7 @@ class VectorMemory:
             weights=weights,
         )
         hits = self.index.search(query)
-        used = weights[0] + (weights[1] if query.sparse and query.sparse.indices else 0.0)
+        used = weights if query.sparse and query.sparse.indices else weights[:1]
         scored = [(hit.id, normalize_score(request.mode, hit.score, settings.rrf_k, used)) for hit in hits]
         # Equal scores (common in RRF) are ordered by id, so every backend and every replica
         # returns the same results in the same order.
@@ -340,14 +341,18 @@ class VectorMemory:
                              created_at=r.created_at) for r in rows]
 
 
-def normalize_score(mode: str, raw: float, rrf_k: int, total_weight: float) -> float:
+def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...]) -> float:
     """Map a backend score into [0, 1]; docs/vector-memory.md says what each mode's score means."""
     if mode == "dense":
         value = raw  # cosine similarity
     elif mode == "keyword":
         value = raw / (raw + 1.0)  # BM25 squashed: 0 = no match, 0.5 = BM25 of 1, -> 1 as BM25 grows
     else:
-        value = raw * rrf_k / total_weight if total_weight else 0.0  # 1.0 = ranked first by every retriever
+        # Qdrant's weighted RRF gives rank r (from 0) in a list of weight w the score
+        # 1 / (k - 1 + (r + 1) / w); divided by its maximum (rank 0 everywhere) it becomes 1.0 for a
+        # memory ranked first by every retriever.
+        best = sum(1.0 / (rrf_k - 1 + 1.0 / w) for w in weights if w > 0)
+        value = raw / best if best else 0.0
     return round(min(1.0, max(0.0, value)), 6)
 
 

@@ -16,12 +16,14 @@ FLOAT_FIELDS = ("created_at", "updated_at", "expires_at")
 
 
 class EdgeIndex:
-    def __init__(self, path: Path, dimension: int, model: str):
+    def __init__(self, path: Path, dimension: int, model: str, *, recreate: bool = False):
         self.path = Path(path)
         self.dimension = dimension
         self.model = model
         self._lock = threading.Lock()
         self._position = 0
+        if recreate:
+            shutil.rmtree(self.path, ignore_errors=True)
         self._shard = self._open()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -36,15 +38,14 @@ class EdgeIndex:
             shard = qe.EdgeShard.load(str(self.path))
             meta = shard.retrieve([META_ID], True, False)
             if not meta:
+                shard.close()
                 raise StartupError(f"vector index at {self.path} has no metadata point; run `memory-server reindex`")
             payload = meta[0].payload or {}
-            stored = int(payload.get("dimension", -1))
-            if stored != self.dimension:
+            try:
+                check_model(payload, self.dimension, self.model, f"vector index at {self.path}")
+            except StartupError:
                 shard.close()
-                raise StartupError(
-                    f"vector index at {self.path} holds {stored}-dimensional vectors but the embedding model "
-                    f"'{self.model}' makes {self.dimension}; keep the old model or run `memory-server reindex`"
-                )
+                raise
             self._position = int(payload.get("position", 0))
             return shard
         self.path.mkdir(parents=True, exist_ok=True)
@@ -126,6 +127,17 @@ class EdgeIndex:
         info = self._shard.info()
         return IndexInfo("qdrant-edge", self.dimension, max(0, info.points_count - 1), self._position,
                          {"segments": info.segments_count, "path": str(self.path)})
+
+
+def check_model(meta: dict, dimension: int, model: str, where: str) -> None:
+    """Refuse to mix vectors of two models: a clear startup error, never silent corruption."""
+    stored_dim, stored_model = int(meta.get("dimension", -1)), meta.get("model")
+    if stored_dim != dimension or stored_model != model:
+        raise StartupError(
+            f"{where} holds {stored_dim}-dimensional vectors of model '{stored_model}', but the configured "
+            f"embedding model '{model}' makes {dimension}-dimensional ones; start with the old model, or run "
+            "`memory-server reindex --reembed` to re-embed every memory with the new one"
+        )
 
 
 def _translate(node: Condition):

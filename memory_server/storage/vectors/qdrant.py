@@ -2,31 +2,28 @@
 
 from qdrant_client import QdrantClient, models
 
-from memory_server.errors import StartupError
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
-from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID
+from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, check_model
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
 
 
 class QdrantServerIndex:
-    def __init__(self, client: QdrantClient, collection: str, dimension: int, model: str):
+    def __init__(self, client: QdrantClient, collection: str, dimension: int, model: str, *, recreate: bool = False):
         self.client = client
         self.collection = collection
         self.dimension = dimension
         self.model = model
         self._position = 0
+        if recreate and client.collection_exists(collection):
+            client.delete_collection(collection)
         self._open()
 
     def _open(self) -> None:
         if self.client.collection_exists(self.collection):
             meta = self.client.retrieve(self.collection, [META_ID], with_payload=True)
-            stored = int(meta[0].payload.get("dimension", -1)) if meta else -1
-            if stored != self.dimension:
-                raise StartupError(
-                    f"Qdrant collection '{self.collection}' holds {stored}-dimensional vectors but the embedding "
-                    f"model '{self.model}' makes {self.dimension}; keep the old model or run `memory-server reindex`"
-                )
-            self._position = int(meta[0].payload.get("position", 0))
+            payload = meta[0].payload if meta else {}
+            check_model(payload, self.dimension, self.model, f"Qdrant collection '{self.collection}'")
+            self._position = int(payload.get("position", 0))
             return
         self.client.create_collection(
             self.collection,

@@ -1,0 +1,130 @@
+"""The memory-server command, run as a user would: serve, keys, reindex."""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+CLI = [sys.executable, "-m", "memory_server"]
+
+
+def run_cli(*args, data_dir: Path, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([*CLI, *args, "--data-dir", str(data_dir)], capture_output=True, text=True, env=env,
+                            timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A real `memory-server serve` process on a free port."""
+    data_dir, port = tmp_path / "data", free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen([*CLI, "serve", "--port", str(port), "--data-dir", str(data_dir)],
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert process.poll() is None, (tmp_path / "serve.log").read_text()
+        time.sleep(0.3)
+    yield url, data_dir, tmp_path / "serve.log"
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+def test_serve_writes_bootstrap_key_0600_and_logs_only_its_path(served):
+    url, data_dir, log_path = served
+    key_file = data_dir / "bootstrap-admin.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    key = key_file.read_text().strip()
+    log = log_path.read_text()
+    assert str(key_file) in log and key not in log
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/v1/memories", params={"user_id": "x"}).status_code == 401
+    assert httpx.get(f"{url}/v1/memories", params={"user_id": "x"}, headers={"Authorization": f"Token {key}"}).status_code == 200
+
+
+def test_walkthrough_cli_agent_key_add_search(served):
+    url, data_dir, _ = served
+    created = run_cli("keys", "create", "--tenant", "default", "--role", "agent", "--user-id", "alice", data_dir=data_dir)
+    agent_key = created.stdout.strip().splitlines()[-1]
+    headers = {"Authorization": f"Bearer {agent_key}"}
+    added = httpx.post(f"{url}/v1/memories", headers=headers, json={"text": "Alice likes green tea"}).json()
+    assert added["results"][0]["event"] == "ADD"
+    found = httpx.post(f"{url}/v1/memories/search", headers=headers, json={"query": "what does alice drink"}).json()
+    assert found["results"][0]["memory"] == "Alice likes green tea" and found["results"][0]["user_id"] == "alice"
+
+
+def test_keys_create_list_revoke(tmp_path):
+    data_dir = tmp_path / "data"
+    created = run_cli("keys", "create", "--tenant", "acme", "--role", "agent", "--user-id", "u1", "--agent-id", "bot",
+                      data_dir=data_dir)
+    key = created.stdout.strip().splitlines()[-1]
+    assert key.startswith("msk_") and " " not in key
+    key_id = created.stdout.split()[1]
+    listing = run_cli("keys", "list", data_dir=data_dir).stdout
+    assert key_id in listing and "acme" in listing and key not in listing
+    run_cli("keys", "revoke", key_id, data_dir=data_dir)
+
+    from sqlmodel import Session
+
+    from memory_server.auth import verify_key
+    from memory_server.errors import Unauthorized
+    from memory_server.storage.db import make_engine
+
+    engine = make_engine(f"sqlite:///{data_dir / 'memory.db'}")
+    with Session(engine) as session, pytest.raises(Unauthorized):
+        verify_key(session, key)
+    engine.dispose()
+
+
+def test_keys_create_rejects_bad_role_and_tenant(tmp_path):
+    bad_role = run_cli("keys", "create", "--tenant", "acme", "--role", "root", data_dir=tmp_path, check=False)
+    assert bad_role.returncode != 0 and "role" in bad_role.stderr
+    bad_tenant = run_cli("keys", "create", "--tenant", "a b", "--role", "agent", data_dir=tmp_path, check=False)
+    assert bad_tenant.returncode != 0 and "tenant" in bad_tenant.stderr
+    assert run_cli("keys", "revoke", "key_missing", data_dir=tmp_path, check=False).returncode != 0
+
+
+def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
+    from conftest import make_settings
+    from memory_server.auth import Principal
+    from memory_server.runtime import Runtime
+    from memory_server.schemas import AddRequest, SearchRequest
+
+    settings = make_settings(tmp_path / "data")
+    admin = Principal("t", "k", "admin")
+    rt = Runtime.open(settings, embedder=embedder)
+    rt.memories.add_batch(admin, [AddRequest(text=t, user_id="u") for t in ("Uma sails", "Uma paints murals")])
+    rt.close()
+    import shutil
+
+    shutil.rmtree(settings.data_dir / "index")  # lose the index entirely
+    result = run_cli("reindex", data_dir=settings.data_dir)
+    assert "reindexed 2 memories" in result.stderr + result.stdout
+    rt = Runtime.open(settings, embedder=embedder)
+    try:
+        hits = rt.memories.search(admin, SearchRequest(query="murals", filters={"user_id": "u"}, mode="keyword"))
+        assert [h.memory for h in hits] == ["Uma paints murals"]
+    finally:
+        rt.close()

@@ -109,8 +109,9 @@ def percentiles(latencies_s: list[float]) -> dict:
 
 def machine() -> dict:
     import os
+    # The load average at the start tells whether something else was competing for the CPUs.
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_1m": os.getloadavg()[0]}
 
 
 def write_result(name: str, data: dict) -> Path:

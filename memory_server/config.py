@@ -21,8 +21,9 @@ class Settings(BaseSettings):
     qdrant_collection: str = "memories"
 
     embedding_model: str = "all-MiniLM-L6-v2"
-    embedding_backend: Literal["torch", "onnx"] = "torch"
+    embedding_backend: Literal["onnx", "torch"] = "onnx"
     embedding_device: str = "cpu"
+    model_dir: Path | None = None  # where the ONNX export is kept; default <data_dir>/models
     embedding_batch_size: int = Field(64, ge=1, le=4096)
     query_cache_size: int = Field(1024, ge=0)
 

@@ -77,7 +77,8 @@ class Runtime:
         engine = open_database(settings)
         embedder = embedder or Embedder(settings.embedding_model, backend=settings.embedding_backend,
                                         batch_size=settings.embedding_batch_size,
-                                        cache_size=settings.query_cache_size, device=settings.embedding_device)
+                                        cache_size=settings.query_cache_size, device=settings.embedding_device,
+                                        model_dir=settings.model_dir or settings.data_dir / "models")
         index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
         sparse = SparseEncoder()
         sync = IndexSync(engine, index, sparse)

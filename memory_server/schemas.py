@@ -35,22 +35,26 @@ UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 INT64 = (-(2**63), 2**63 - 1)
 
 
-def check_json_numbers(value: Any, depth: int = 0) -> Any:
-    """Metadata must fit the index's payload: integers in 64 bits, nesting at most 8 levels."""
+def check_json_values(value: Any, depth: int = 0) -> Any:
+    """Metadata must fit every store: integers in 64 bits, no NUL characters (PostgreSQL refuses
+    them), nesting at most 8 levels."""
     if depth > 8:
         raise ValueError("metadata is nested too deeply (8 levels at most)")
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
         raise ValueError("metadata integers must fit in 64 bits")
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError("metadata strings must not contain NUL characters")
     if isinstance(value, dict):
-        for item in value.values():
-            check_json_numbers(item, depth + 1)
+        for key, item in value.items():
+            check_json_values(key, depth + 1)
+            check_json_values(item, depth + 1)
     elif isinstance(value, list):
         for item in value:
-            check_json_numbers(item, depth + 1)
+            check_json_values(item, depth + 1)
     return value
 
 
-Metadata = Annotated[dict[str, Any], AfterValidator(check_json_numbers)]
+Metadata = Annotated[dict[str, Any], AfterValidator(check_json_values)]
 
 
 class _Strict(BaseModel):

@@ -28,9 +28,13 @@ POSTGRES_URL = os.environ.get("MEMORY_SERVER_TEST_POSTGRES_URL")
 DATABASES = ["sqlite"] + (["postgres"] if POSTGRES_URL else [])
 
 
+# One ONNX export of the model for the whole run (CLI subprocesses find it through the env var).
+MODEL_DIR = Path(os.environ.setdefault("MEMORY_SERVER_MODEL_DIR", str(Path.home() / ".cache" / "memory-server-tests")))
+
+
 @pytest.fixture(scope="session")
 def embedder() -> Embedder:
-    return Embedder()
+    return Embedder(model_dir=MODEL_DIR)
 
 
 @pytest.fixture(params=DATABASES)

@@ -178,3 +178,12 @@ def test_reindex_reembed_switches_models_and_plain_reindex_refuses(tmp_path, emb
     Runtime.open(settings, embedder=tiny).close()  # the new model now starts cleanly
     with pytest.raises(StartupError, match="tiny-test-model"):
         Runtime.open(settings, embedder=embedder)
+
+
+def test_onnx_and_torch_backends_give_the_same_vectors(embedder):
+    from memory_server.embedding import Embedder
+
+    torch_embedder = Embedder(backend="torch")
+    texts = ["Quinn drinks oat milk lattes", "我喜欢吃四川火锅", "O-1001 " * 400]
+    assert embedder.backend == "onnx"
+    assert np.abs(embedder.embed(texts) - torch_embedder.embed(texts)).max() < 1e-5

@@ -6,7 +6,7 @@ from typing import Any
 
 from memory_server.auth import Principal
 from memory_server.errors import Forbidden, InvalidInput
-from memory_server.schemas import check_json_numbers, validate_scope_id
+from memory_server.schemas import check_json_values, validate_scope_id
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not, walk_fields
 
 SCOPE_FIELDS = ("user_id", "agent_id", "run_id")
@@ -119,7 +119,7 @@ def _list(value: Any, where: str) -> list:
 
 def _metadata_operand(op: str, value: Any, where: str) -> Any:
     try:
-        check_json_numbers(value)
+        check_json_values(value)
     except ValueError as exc:
         raise InvalidInput(str(exc).replace("metadata", "filter"), field=where) from None
     if op in RANGE_OPS:

@@ -138,6 +138,8 @@ class VectorMemory:
     def _check_text(self, text: str, field: str) -> None:
         if not text:
             raise InvalidInput("memory text must not be empty", field=field)
+        if "\x00" in text:
+            raise InvalidInput("memory text must not contain NUL characters", field=field)
         if len(text.encode()) > self.settings.max_memory_bytes:
             raise InvalidInput(f"memory text exceeds {self.settings.max_memory_bytes} bytes", field=field)
 
@@ -225,7 +227,7 @@ class VectorMemory:
 
     # -- read, update, delete --------------------------------------------------------------
     def _load(self, session: Session, principal: Principal, memory_id: str) -> MemoryRecord:
-        row = session.get(MemoryRecord, memory_id) if len(memory_id) <= 36 else None
+        row = session.get(MemoryRecord, memory_id) if _is_uuid(memory_id) else None
         if (row is None or row.tenant_id != principal.tenant_id or not principal.can_see(row.user_id, row.agent_id)
                 or (row.expires_at is not None and row.expires_at <= utcnow())):
             raise NotFound(f"no memory '{memory_id}'")
@@ -331,6 +333,8 @@ class VectorMemory:
         return len(rows)
 
     def history(self, principal: Principal, memory_id: str) -> list[HistoryEntry]:
+        if not _is_uuid(memory_id):
+            raise NotFound(f"no memory '{memory_id}'")
         with Session(self.engine) as session:
             rows = session.exec(select(MemoryHistory).where(MemoryHistory.memory_id == memory_id,
                                                             MemoryHistory.tenant_id == principal.tenant_id)
@@ -363,6 +367,13 @@ def _numbers(text: str) -> list[str]:
     return sorted(_NUMBER.findall(text))
 
 
+def _is_uuid(value) -> bool:
+    try:
+        return isinstance(value, str) and str(uuid.UUID(value)) == value
+    except ValueError:
+        return False
+
+
 def _alive(now: datetime):
     return or_(col(MemoryRecord.expires_at).is_(None), MemoryRecord.expires_at > now)
 
@@ -376,6 +387,8 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         created, last_id = json.loads(base64.urlsafe_b64decode(padded))
+        if not _is_uuid(last_id):
+            raise ValueError(last_id)
         return datetime.fromisoformat(created), str(last_id)
     except Exception:
         raise BadRequest("cursor is not one this server issued", field="cursor", code="invalid_cursor") from None

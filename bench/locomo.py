@@ -49,22 +49,32 @@ def evidence_ids(evidence) -> list[str]:
 
 
 def load(client: httpx.Client, samples: list) -> dict:
-    """Add every turn; returns {memory id: {dia_ids}} (a NOOP'd near-duplicate maps to the kept memory)."""
+    """Add every turn, one add per session with its turns as `messages` (each message becomes one
+    memory, embedded after the turns before it); returns {memory id: {dia_ids}} (a NOOP'd
+    near-duplicate maps to the kept memory)."""
     dia_ids = {}
     stats = {"turns": 0, "events": {}}
     for sample in tqdm(samples, desc="locomo: load conversations", unit="conv"):
         user = scope_id(sample["sample_id"])
-        items = [{"text": text, "user_id": user, "infer": False,
-                  "metadata": {"dia_id": dia, "session": n, "date": date}}
-                 for dia, text, n, date in turns(sample)]
-        for i in range(0, len(items), 1000):
-            chunk = items[i:i + 1000]
-            r = client.post("/v1/memories/batch", json={"items": chunk})
-            r.raise_for_status()
-            for item, res in zip(chunk, r.json()["results"], strict=True):
-                dia_ids.setdefault(res["id"], set()).add(item["metadata"]["dia_id"])
-                stats["events"][res["event"]] = stats["events"].get(res["event"], 0) + 1
-        stats["turns"] += len(items)
+        sessions: dict[int, dict] = {}
+        for dia, text, n, date in turns(sample):
+            item = sessions.setdefault(n, {"messages": [], "user_id": user, "infer": False,
+                                           "metadata": {"session": n, "date": date}})
+            item["messages"].append({"role": "user", "content": text, "metadata": {"dia_id": dia}})
+        batch, size = [], 0
+        for item in list(sessions.values()) + [None]:
+            if item is None or size + len(item["messages"]) > 1000:
+                r = client.post("/v1/memories/batch", json={"items": batch})
+                r.raise_for_status()
+                sent = [m["metadata"]["dia_id"] for it in batch for m in it["messages"]]
+                for dia, res in zip(sent, r.json()["results"], strict=True):
+                    dia_ids.setdefault(res["id"], set()).add(dia)
+                    stats["events"][res["event"]] = stats["events"].get(res["event"], 0) + 1
+                stats["turns"] += len(sent)
+                batch, size = [], 0
+            if item is not None:
+                batch.append(item)
+                size += len(item["messages"])
     return dia_ids, stats
 
 

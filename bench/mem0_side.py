@@ -55,7 +55,10 @@ class Mem0Side:
                 "notes": ["mem0 Memory, embedded Qdrant (QdrantClient(path=...)), infer=False",
                           "fastembed and spaCy not installed (their models download at run time), so mem0's "
                           "BM25 and entity boosts are off: search is semantic only",
-                          "fill beyond the measured adds: embed_batch + vector_store.insert, see mem0_side.py"]}
+                          "fill beyond the measured adds: embed_batch + vector_store.insert, see mem0_side.py",
+                          "mem0's fill slows as the store grows: qdrant-client's local mode np.append()s its per-point "
+                          "masks on every insert (quadratic), and its filtered search scans every payload in Python "
+                          "(hence ~1 s at 100k)"]}
 
     def add_one(self, user, text):
         self.m.add(text, user_id=user, infer=False)

@@ -1,6 +1,7 @@
 """The memory-server command: serve, keys, reindex."""
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -68,10 +69,21 @@ def reindex(
         runtime.close()
 
 
-def _engine(data_dir: Path | None):
+@contextmanager
+def _key_session(data_dir: Path | None):
+    """A database session for the key commands; bad input exits 2 with its message."""
+    from memory_server.errors import MemoryServerError
     from memory_server.runtime import open_database
 
-    return open_database(_settings(data_dir))
+    engine = open_database(_settings(data_dir))
+    try:
+        with Session(engine) as session:
+            yield session
+    except MemoryServerError as exc:
+        console.print(f"error: {exc.message}")
+        raise typer.Exit(2) from None
+    finally:
+        engine.dispose()
 
 
 @keys_app.command("create")
@@ -85,18 +97,10 @@ def keys_create(
 ) -> None:
     """Create a key; the key itself is printed alone on the last line (shown once)."""
     from memory_server.auth import create_key
-    from memory_server.errors import MemoryServerError
 
-    engine = _engine(data_dir)
-    try:
-        with Session(engine) as session:
-            row, plaintext = create_key(session, tenant_id=tenant, role=role, user_ids=user_id or [],
-                                        agent_ids=agent_id or [], label=label)
-    except MemoryServerError as exc:
-        console.print(f"error: {exc.message}")
-        raise typer.Exit(2) from None
-    finally:
-        engine.dispose()
+    with _key_session(data_dir) as session:
+        row, plaintext = create_key(session, tenant_id=tenant, role=role, user_ids=user_id or [],
+                                    agent_ids=agent_id or [], label=label)
     print(f"created {row.id} (tenant {row.tenant_id}, role {row.role}); store the key now, it is not shown again:")
     print(plaintext)
 
@@ -107,10 +111,8 @@ def keys_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tena
     """List keys (never their secrets)."""
     from memory_server.auth import list_keys
 
-    engine = _engine(data_dir)
-    with Session(engine) as session:
+    with _key_session(data_dir) as session:
         rows = list_keys(session, tenant)
-    engine.dispose()
     print("\t".join(("id", "tenant", "role", "user_ids", "agent_ids", "label", "created", "revoked")))
     for r in rows:
         print("\t".join((r.id, r.tenant_id, r.role, ",".join(r.user_ids) or "-", ",".join(r.agent_ids) or "-",
@@ -122,17 +124,9 @@ def keys_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tena
 def keys_revoke(key_id: str, data_dir: DataDir = None) -> None:
     """Revoke a key by its id (key_...)."""
     from memory_server.auth import revoke_key
-    from memory_server.errors import MemoryServerError
 
-    engine = _engine(data_dir)
-    try:
-        with Session(engine) as session:
-            revoke_key(session, key_id)
-    except MemoryServerError as exc:
-        console.print(f"error: {exc.message}")
-        raise typer.Exit(2) from None
-    finally:
-        engine.dispose()
+    with _key_session(data_dir) as session:
+        revoke_key(session, key_id)
     print(f"revoked {key_id}")
 
 

@@ -27,13 +27,14 @@ class Settings(BaseSettings):
     embedding_batch_size: int = Field(64, ge=1, le=4096)
     query_cache_size: int = Field(1024, ge=0)
 
+    message_context_turns: int = Field(2, ge=0, le=20)
     dedup_threshold: float = Field(0.95, ge=0.0, le=1.0)
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     max_memory_bytes: int = Field(32 * 1024, ge=16)
     max_batch_items: int = Field(1000, ge=1)
 
-    rrf_k: int = Field(60, ge=1)
-    hybrid_dense_weight: float = Field(1.0, ge=0.0)
+    rrf_k: int = Field(2, ge=1)
+    hybrid_dense_weight: float = Field(0.5, ge=0.0)
     hybrid_keyword_weight: float = Field(1.0, ge=0.0)
     search_candidates: int = Field(100, ge=10, le=10000)
 

@@ -54,8 +54,13 @@ class Embedder:
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        parts = [self._encoder.encode(texts[i:i + self.batch_size]) for i in range(0, len(texts), self.batch_size)]
-        return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+        # Batches of similar length waste less work on padding; the result keeps the input order.
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = np.empty((len(texts), self.dimension), dtype=np.float32)
+        for start in range(0, len(texts), self.batch_size):
+            chosen = order[start:start + self.batch_size]
+            out[chosen] = self._encoder.encode([texts[i] for i in chosen])
+        return out
 
     def embed_query(self, text: str) -> np.ndarray:
         with self._cache_lock:

@@ -7,6 +7,11 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 
+def embedding_input(text: str, context: str | None) -> str:
+    """What the model embeds for a memory: its text, after the conversation that led to it."""
+    return f"{context}\n{text}" if context else text
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -55,6 +60,8 @@ class MemoryRecord(SQLModel, table=True):
     agent_id: str | None = Field(default=None, max_length=128)
     run_id: str | None = Field(default=None, max_length=128)
     text: str = Field(sa_column=Column(Text, nullable=False))
+    # Preceding messages of the same conversation, embedded with the text (never returned as the memory).
+    context: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     hash: str = Field(max_length=32)
     meta: dict = Field(default_factory=dict, sa_column=Column("metadata", JSON, nullable=False))
     embedding: bytes = Field(sa_column=Column(LargeBinary, nullable=False))

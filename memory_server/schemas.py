@@ -65,6 +65,10 @@ class Message(BaseModel):
     role: Annotated[str, StringConstraints(min_length=1, max_length=32)]
     content: str
     name: str | None = None
+    metadata: "Metadata | None" = None  # merged over the add's metadata for this message's memory
+
+
+Message.model_rebuild()
 
 
 class AddRequest(BaseModel):

@@ -9,7 +9,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from memory_server.errors import StartupError
-from memory_server.models import ChangeLogEntry, MemoryRecord
+from memory_server.models import ChangeLogEntry, MemoryRecord, embedding_input
 from memory_server.services.filters import NEVER
 from memory_server.storage.vectors import IndexPoint, VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
@@ -102,7 +102,8 @@ class IndexSync:
                     if not rows:
                         break
                     if reembed is not None:
-                        for row, vector in zip(rows, reembed.embed([row.text for row in rows])):
+                        inputs = [embedding_input(row.text, row.context) for row in rows]
+                        for row, vector in zip(rows, reembed.embed(inputs)):
                             row.embedding = vector.tobytes()
                             session.add(row)
                         session.commit()

@@ -12,6 +12,7 @@ from datetime import datetime
 
 import numpy as np
 from sqlalchemy import and_, delete as sql_delete, or_
+from sqlalchemy.orm import defer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -19,7 +20,7 @@ from memory_server.auth import Principal
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
 from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable
-from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, utcnow
+from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, utcnow
 from memory_server.schemas import (
     AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
     UpdateRequest,
@@ -77,7 +78,7 @@ class VectorMemory:
 
     def _add(self, principal: Principal, items: list[AddRequest], *, batch: bool) -> AddResponse:
         now = utcnow()
-        planned: list[tuple[Scope, str, dict, datetime | None]] = []
+        planned: list[tuple[Scope, str, dict, datetime | None, str | None]] = []
         warnings: list[str] = []
         for i, item in enumerate(items):
             prefix = f"items[{i}]." if batch else ""
@@ -89,17 +90,17 @@ class VectorMemory:
                 raise InvalidInput("expires_at is in the past", field=f"{prefix}expires_at")
             if item.infer and INFER_WARNING not in warnings:
                 warnings.append(INFER_WARNING)
-            for text, extra in self._texts_of(item, prefix):
-                planned.append((scope, text, {**(item.metadata or {}), **extra}, item.expires_at))
+            for text, extra, context in self._texts_of(item, prefix):
+                planned.append((scope, text, {**(item.metadata or {}), **extra}, item.expires_at, context))
         if len(planned) > self.settings.max_batch_items:
             raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories", field="items")
 
-        vectors = self.embedder.embed([text for _, text, _, _ in planned])
+        vectors = self.embedder.embed([embedding_input(p[1], p[4]) for p in planned])
         results: list[AddResult] = []
         with Session(self.engine) as session:
-            existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(t) for _, t, _, _ in planned], now)
+            existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p[1]) for p in planned], now)
             added: list[tuple[Scope, np.ndarray, str, str]] = []
-            for (scope, text, metadata, expires_at), vector in zip(planned, vectors):
+            for (scope, text, metadata, expires_at, context), vector in zip(planned, vectors):
                 digest = text_hash(text)
                 duplicate = existing.get((scope, digest)) or self._near_duplicate(
                     session, principal, scope, text, vector, added, now)
@@ -107,7 +108,8 @@ class VectorMemory:
                     results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
                     continue
                 row = MemoryRecord(id=str(uuid.uuid4()), tenant_id=principal.tenant_id, user_id=scope[0],
-                                   agent_id=scope[1], run_id=scope[2], text=text, hash=digest, meta=metadata,
+                                   agent_id=scope[1], run_id=scope[2], text=text, context=context, hash=digest,
+                                   meta=metadata,
                                    embedding=vector.tobytes(), created_at=now, updated_at=now, expires_at=expires_at)
                 session.add(row)
                 self._record(session, row, "ADD", None, text, principal.key_id, "upsert")
@@ -118,21 +120,28 @@ class VectorMemory:
         self._publish()
         return AddResponse(results=results, warnings=warnings)
 
-    def _texts_of(self, item: AddRequest, prefix: str) -> list[tuple[str, dict]]:
+    def _texts_of(self, item: AddRequest, prefix: str) -> list[tuple[str, dict, str | None]]:
+        """(text, extra metadata, conversation context) for each memory an add item makes. A message
+        is embedded after up to `message_context_turns` messages before it, so that "Yes, last May!"
+        is found by what it answers."""
         if (item.text is None) == (item.messages is None):
             raise InvalidInput("give exactly one of `messages` or `text`", field=f"{prefix}messages")
         if item.text is not None:
-            candidates = [(item.text, {}, f"{prefix}text")]
-        else:
-            candidates = [(m.content, {"role": m.role}, f"{prefix}messages[{j}].content")
-                          for j, m in enumerate(item.messages) if m.role != "system"]
-            if not candidates:
-                raise InvalidInput("`messages` holds no non-system message", field=f"{prefix}messages")
-        out = []
-        for text, extra, field in candidates:
-            text = text.strip()
-            self._check_text(text, field)
-            out.append((text, extra))
+            text = item.text.strip()
+            self._check_text(text, f"{prefix}text")
+            return [(text, {}, None)]
+        out, seen = [], []
+        for j, message in enumerate(item.messages):
+            if message.role == "system":
+                continue
+            text = message.content.strip()
+            self._check_text(text, f"{prefix}messages[{j}].content")
+            turns = self.settings.message_context_turns
+            context = "\n".join(seen[-turns:]) if turns and seen else None
+            out.append((text, {"role": message.role, **(message.metadata or {})}, context))
+            seen.append(text)
+        if not out:
+            raise InvalidInput("`messages` holds no non-system message", field=f"{prefix}messages")
         return out
 
     def _check_text(self, text: str, field: str) -> None:
@@ -221,7 +230,7 @@ class VectorMemory:
             return []
         with Session(self.engine) as session:
             rows = {r.id: r for r in session.exec(
-                select(MemoryRecord).where(MemoryRecord.tenant_id == principal.tenant_id,
+                _readable().where(MemoryRecord.tenant_id == principal.tenant_id,
                                            col(MemoryRecord.id).in_([i for i, _ in scored]), _alive(now)))}
         return [ScoredMemory(**to_public(rows[i]).model_dump(), score=s) for i, s in scored if i in rows]
 
@@ -241,8 +250,7 @@ class VectorMemory:
              run_id: str | None = None, limit: int = 100, cursor: str | None = None) -> MemoryPage:
         now = utcnow()
         with Session(self.engine) as session:
-            query = select(MemoryRecord).where(
-                *self._scope_clauses(principal, user_id, agent_id, run_id), _alive(now))
+            query = _readable().where(*self._scope_clauses(principal, user_id, agent_id, run_id), _alive(now))
             if cursor:
                 created, last_id = _decode_cursor(cursor)
                 query = query.where(or_(MemoryRecord.created_at < created,
@@ -278,7 +286,7 @@ class VectorMemory:
                 self._check_text(text, "text")
                 if text != row.text:
                     row.text, row.hash = text, text_hash(text)
-                    row.embedding = self.embedder.embed([text])[0].tobytes()
+                    row.embedding = self.embedder.embed([embedding_input(text, row.context)])[0].tobytes()
             if "metadata" in given:
                 row.meta = request.metadata or {}
             if "expires_at" in given:
@@ -365,6 +373,11 @@ _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 def _numbers(text: str) -> list[str]:
     return sorted(_NUMBER.findall(text))
+
+
+def _readable():
+    """Rows for reading: the stored embedding (1.5 KB a row) stays in the database."""
+    return select(MemoryRecord).options(defer(MemoryRecord.embedding), defer(MemoryRecord.context))
 
 
 def _is_uuid(value) -> bool:

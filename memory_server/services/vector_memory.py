@@ -102,8 +102,10 @@ class VectorMemory:
             added: list[tuple[Scope, np.ndarray, str, str]] = []
             for (scope, text, metadata, expires_at, context), vector in zip(planned, vectors):
                 digest = text_hash(text)
-                duplicate = existing.get((scope, digest)) or self._near_duplicate(
-                    session, principal, scope, text, vector, added, now)
+                # A message embedded with its conversation is compared by text only: overlapping
+                # context makes neighbouring turns look alike to the model.
+                duplicate = existing.get((scope, digest)) or (None if context else self._near_duplicate(
+                    session, principal, scope, text, vector, added, now))
                 if duplicate:  # the memory already held, as stored
                     results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
                     continue

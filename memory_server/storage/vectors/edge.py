@@ -28,9 +28,17 @@ class EdgeIndex:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _config(self) -> qe.EdgeConfig:
+        # Full vectors stay on disk (memory-mapped, read for rescoring); int8 copies live in RAM
+        # for the search itself. That keeps 1M memories well under 2 GB of RSS.
+        dense = qe.EdgeVectorParams(
+            size=self.dimension, distance=qe.Distance.Cosine, memory=qe.Memory.Cold,
+            quantization_config=qe.ScalarQuantizationConfig(type=qe.ScalarType.Int8, quantile=0.99,
+                                                            memory=qe.Memory.Pinned),
+        )
         return qe.EdgeConfig(
-            vectors={"dense": qe.EdgeVectorParams(size=self.dimension, distance=qe.Distance.Cosine)},
+            vectors={"dense": dense},
             sparse_vectors={"bm25": qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
+            payload_memory=qe.Memory.Cold,
         )
 
     def _open(self) -> qe.EdgeShard:

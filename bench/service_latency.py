@@ -1,0 +1,119 @@
+"""Part 2: in-process service latency (no HTTP) at growing sizes in the embedded default.
+
+Search p50/p95 split into query embedding, index (Qdrant Edge) and the rest (SQL rows, response);
+batch add throughput; RSS, disk and reopen time at each size (the 1M point is the RSS/disk target).
+"""
+
+import argparse
+import os
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.workload import machine, memories, percentiles, queries, write_result
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def disk_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def measure_size(rt, principal, n_queries: int) -> dict:
+    from memory_server.schemas import SearchRequest
+    from memory_server.services.filters import restrict
+    from memory_server.storage.vectors import IndexQuery
+    from memory_server.storage.vectors.filters import All, Field
+
+    settings = rt.settings
+    out = {}
+    for mode in ("hybrid", "dense", "keyword"):
+        embed_s, index_s, total_s = [], [], []
+        for user, query in queries(n_queries):
+            started = time.perf_counter()
+            rt.memories.search(principal, SearchRequest(query=query, filters={"user_id": user}, mode=mode))
+            total_s.append(time.perf_counter() - started)
+            # The same search, its parts timed alone.
+            t0 = time.perf_counter()
+            dense = rt.embedder.embed([query])[0].tolist() if mode != "keyword" else None
+            t1 = time.perf_counter()
+            flt = restrict(principal, All((Field("user_id", "eq", user),)))
+            rt.index.search(IndexQuery(mode=mode, filter=flt, limit=18, dense=dense,
+                                       sparse=rt.memories.sparse.query(query) if mode != "dense" else None,
+                                       candidates=settings.search_candidates, rrf_k=settings.rrf_k,
+                                       weights=(settings.hybrid_dense_weight, settings.hybrid_keyword_weight)))
+            t2 = time.perf_counter()
+            embed_s.append(t1 - t0)
+            index_s.append(t2 - t1)
+        out[mode] = {"total": percentiles(total_s), "embedding": percentiles(embed_s), "index": percentiles(index_s)}
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="10000,100000,1000000")
+    p.add_argument("--queries", type=int, default=300)
+    p.add_argument("--out", default="service-latency")
+    a = p.parse_args(argv)
+
+    from memory_server.auth import Principal
+    from memory_server.config import Settings
+    from memory_server.runtime import Runtime
+    from memory_server.schemas import AddRequest
+
+    sizes = sorted(int(s) for s in a.sizes.split(","))
+    principal = Principal(tenant_id="bench", key_id="bench", role="admin")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-latency-"))
+    settings = Settings(data_dir=tmp, query_cache_size=0, model_dir=os.environ.get("MEMORY_SERVER_MODEL_DIR"))
+    result = {"machine": machine(), "sizes": {}, "notes": [
+        "in-process Runtime: SQLite + Qdrant Edge (int8 quantised vectors in RAM, originals on disk), ONNX embedding",
+        "query-embedding cache off: every search embeds its query",
+        "embedding/index: the same query's parts timed alone; total includes SQL row fetch and scoring",
+    ]}
+    try:
+        rt = Runtime.open(settings)
+        data = memories(sizes[-1], seed=3)
+        loaded, add_seconds = 0, 0.0
+        for size in sizes:
+            bar = tqdm(total=size - loaded, desc=f"fill to {size}", unit="mem")
+            while loaded < size:
+                chunk = [AddRequest(text=t, user_id=u) for u, t in data[loaded:min(size, loaded + 1000)]]
+                started = time.perf_counter()
+                rt.memories.add_batch(principal, chunk)
+                add_seconds += time.perf_counter() - started
+                loaded += len(chunk)
+                bar.update(len(chunk))
+            bar.close()
+            started = time.perf_counter()
+            rt.index.optimize()
+            optimize_s = time.perf_counter() - started
+            point = {"batch_add_per_s": round(loaded / add_seconds, 1), "optimize_s": round(optimize_s, 1)}
+            point["search"] = measure_size(rt, principal, a.queries)
+            point["rss_mb"] = round(rss_mb(), 1)
+            point["disk_mb"] = round(disk_mb(tmp), 1)
+            rt.close()
+            started = time.perf_counter()
+            rt = Runtime.open(settings)
+            point["reopen_s"] = round(time.perf_counter() - started, 2)
+            point["rss_after_reopen_mb"] = round(rss_mb(), 1)
+            result["sizes"][str(size)] = point
+            print(size, {k: v for k, v in point.items() if k != "search"},
+                  {m: round(v["total"]["p95_ms"], 2) for m, v in point["search"].items()})
+        rt.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(write_result(a.out, result))
+
+
+if __name__ == "__main__":
+    main()

@@ -107,6 +107,7 @@ def main(argv=None):
             point["reopen_s"] = round(time.perf_counter() - started, 2)
             point["rss_after_reopen_mb"] = round(rss_mb(), 1)
             result["sizes"][str(size)] = point
+            write_result(a.out, result)  # after every size, so a long 1M run keeps the smaller points
             print(size, {k: v for k, v in point.items() if k != "search"},
                   {m: round(v["total"]["p95_ms"], 2) for m, v in point["search"].items()})
         rt.close()

@@ -8,10 +8,11 @@ import json
 import logging
 import re
 import uuid
+from types import SimpleNamespace
 from datetime import datetime
 
 import numpy as np
-from sqlalchemy import and_, delete as sql_delete, or_
+from sqlalchemy import and_, delete as sql_delete, insert, or_
 from sqlalchemy.orm import defer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -100,6 +101,7 @@ class VectorMemory:
         with Session(self.engine) as session:
             existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p[1]) for p in planned], now)
             added: list[tuple[Scope, np.ndarray, str, str]] = []
+            rows: list[dict] = []
             for (scope, text, metadata, expires_at, context), vector in zip(planned, vectors):
                 digest = text_hash(text)
                 # A message embedded with its conversation is compared by text only: overlapping
@@ -109,15 +111,17 @@ class VectorMemory:
                 if duplicate:  # the memory already held, as stored
                     results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
                     continue
-                row = MemoryRecord(id=str(uuid.uuid4()), tenant_id=principal.tenant_id, user_id=scope[0],
-                                   agent_id=scope[1], run_id=scope[2], text=text, context=context, hash=digest,
-                                   meta=metadata,
-                                   embedding=vector.tobytes(), created_at=now, updated_at=now, expires_at=expires_at)
-                session.add(row)
-                self._record(session, row, "ADD", None, text, principal.key_id, "upsert")
-                existing[(scope, digest)] = (row.id, text)
-                added.append((scope, vector, row.id, text))
-                results.append(AddResult(id=row.id, memory=text, event="ADD"))
+                memory_id = str(uuid.uuid4())
+                rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
+                             "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
+                             "hash": digest, "meta": metadata, "embedding": vector.tobytes(), "created_at": now,
+                             "updated_at": now, "expires_at": expires_at})
+                existing[(scope, digest)] = (memory_id, text)
+                added.append((scope, vector, memory_id, text))
+                results.append(AddResult(id=memory_id, memory=text, event="ADD"))
+            if rows:
+                session.execute(insert(MemoryRecord), rows)
+                self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD", principal.key_id)
             session.commit()
         self._publish()
         return AddResponse(results=results, warnings=warnings)
@@ -185,14 +189,20 @@ class VectorMemory:
         texts = dict(rows)
         return next(((i, texts[i]) for i in candidates if i in texts and _numbers(texts[i]) == numbers), None)
 
-    def _record(self, session: Session, row: MemoryRecord, event: str, old: str | None, new: str | None,
-                actor: str, op: str) -> None:
+    def _record(self, session: Session, changes: list[tuple], event: str, actor: str) -> None:
+        """History entries and change-log entries for (memory, old text, new text) changes, in the
+        same transaction as the change itself."""
+        if not changes:
+            return
         lock_change_log(session)
         now = utcnow()
-        session.add(MemoryHistory(memory_id=row.id, tenant_id=row.tenant_id, user_id=row.user_id,
-                                  agent_id=row.agent_id, event=event, old_memory=old, new_memory=new, actor=actor,
-                                  created_at=now))
-        session.add(ChangeLogEntry(tenant_id=row.tenant_id, memory_id=row.id, op=op, created_at=now))
+        session.execute(insert(MemoryHistory), [
+            {"memory_id": m.id, "tenant_id": m.tenant_id, "user_id": m.user_id, "agent_id": m.agent_id,
+             "event": event, "old_memory": old, "new_memory": new, "actor": actor, "created_at": now}
+            for m, old, new in changes])
+        op = "delete" if event == "DELETE" else "upsert"
+        session.execute(insert(ChangeLogEntry), [
+            {"tenant_id": m.tenant_id, "memory_id": m.id, "op": op, "created_at": now} for m, _, _ in changes])
 
     # -- search ----------------------------------------------------------------------------
     def search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
@@ -297,7 +307,7 @@ class VectorMemory:
                 row.expires_at = request.expires_at
             row.updated_at = now
             session.add(row)
-            self._record(session, row, "UPDATE", old_text, row.text, principal.key_id, "upsert")
+            self._record(session, [(row, old_text, row.text)], "UPDATE", principal.key_id)
             session.commit()
             session.refresh(row)
             result = to_public(row)
@@ -324,8 +334,7 @@ class VectorMemory:
         return len(rows)
 
     def _delete_rows(self, session: Session, rows: list[MemoryRecord], actor: str) -> None:
-        for row in rows:
-            self._record(session, row, "DELETE", row.text, None, actor, "delete")
+        self._record(session, [(row, row.text, None) for row in rows], "DELETE", actor)
         ids = [row.id for row in rows]
         for start in range(0, len(ids), 500):
             session.exec(sql_delete(MemoryRecord).where(col(MemoryRecord.id).in_(ids[start:start + 500])))

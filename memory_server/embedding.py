@@ -6,7 +6,9 @@ the data directory and run by ONNX Runtime, several times faster on a CPU) and `
 
 import hashlib
 import os
+import queue
 import threading
+from concurrent.futures import Future
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -47,6 +49,7 @@ class Embedder:
         else:
             self._encoder = _TorchEncoder(_load_sentence_transformer(path, device))
         self.dimension = self._encoder.dimension
+        self._batcher = _MicroBatcher(self._encoder.encode, max_texts=batch_size)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
@@ -54,6 +57,8 @@ class Embedder:
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
+        if len(texts) <= _MicroBatcher.SMALL:
+            return self._batcher.encode(texts)
         # Batches of similar length waste less work on padding; the result keeps the input order.
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
@@ -80,6 +85,47 @@ class Embedder:
 def _dimension(model) -> int:
     getter = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
     return int(getter())
+
+
+class _MicroBatcher:
+    """Concurrent small requests (a search's query, a single add) are embedded together: while one
+    model call runs, the next callers queue up and share the following call. One text alone costs
+    about as much as several in one batch, so under load this multiplies throughput; alone, a
+    caller waits only for the hand-over to the worker thread."""
+
+    SMALL = 4
+
+    def __init__(self, encode, max_texts: int = 64):
+        self._encode = encode
+        self._max_texts = max_texts
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="embedding-batcher", daemon=True).start()
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        done = Future()
+        self._queue.put((texts, done))
+        return done.result()
+
+    def _work(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            count = len(batch[0][0])
+            while count < self._max_texts:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+                count += len(batch[-1][0])
+            try:
+                vectors = np.asarray(self._encode([t for texts, _ in batch for t in texts]), dtype=np.float32)
+            except Exception as exc:  # hand the failure to every waiting caller
+                for _, done in batch:
+                    done.set_exception(exc)
+                continue
+            start = 0
+            for texts, done in batch:
+                done.set_result(vectors[start:start + len(texts)])
+                start += len(texts)
 
 
 class _TorchEncoder:

@@ -51,6 +51,7 @@ class MemoryRecord(SQLModel, table=True):
     __table_args__ = (
         Index("ix_memories_scope", "tenant_id", "user_id", "agent_id", "run_id"),
         Index("ix_memories_listing", "tenant_id", "created_at", "id"),
+        Index("ix_memories_user_listing", "tenant_id", "user_id", "created_at", "id"),
         Index("ix_memories_hash", "tenant_id", "hash"),
     )
 

@@ -187,3 +187,13 @@ def test_onnx_and_torch_backends_give_the_same_vectors(embedder):
     texts = ["Quinn drinks oat milk lattes", "我喜欢吃四川火锅", "O-1001 " * 400]
     assert embedder.backend == "onnx"
     assert np.abs(embedder.embed(texts) - torch_embedder.embed(texts)).max() < 1e-5
+
+
+def test_concurrent_small_embeddings_are_batched_and_stay_exact(embedder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"Quinn fact number {i}: {FACTS[i % len(FACTS)]}" for i in range(40)]
+    alone = embedder._encoder.encode(texts)  # one plain model call, no batcher
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda t: embedder.embed([t])[0], texts))
+    assert np.abs(np.stack(together) - alone).max() < 1e-5

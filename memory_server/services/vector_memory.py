@@ -9,10 +9,10 @@ import logging
 import re
 import uuid
 from types import SimpleNamespace
-from datetime import datetime
+from datetime import datetime, timezone
 
 import numpy as np
-from sqlalchemy import and_, delete as sql_delete, insert, or_
+from sqlalchemy import and_, delete as sql_delete, func, insert, or_
 from sqlalchemy.orm import defer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -34,6 +34,7 @@ from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
 
 log = logging.getLogger("memory_server")
+_NEVER = datetime(9999, 12, 31, tzinfo=timezone.utc)
 Scope = tuple[str | None, str | None, str | None]
 TIE_MARGIN = 8  # extra hits fetched so that ties at the top_k boundary are cut deterministically
 INFER_WARNING = "infer=true is not available yet: each message was stored as-is (infer=false)"
@@ -399,7 +400,9 @@ def _is_uuid(value) -> bool:
 
 
 def _alive(now: datetime):
-    return or_(col(MemoryRecord.expires_at).is_(None), MemoryRecord.expires_at > now)
+    # COALESCE hides expires_at from the query planner: with `IS NULL OR >`, SQLite picks the
+    # expires_at index and scans the whole table instead of using the primary key or scope index.
+    return func.coalesce(MemoryRecord.expires_at, _NEVER) > now
 
 
 def _encode_cursor(row: MemoryRecord) -> str:

@@ -242,9 +242,11 @@ class VectorMemory:
         if not scored:
             return []
         with Session(self.engine) as session:
-            rows = {r.id: r for r in session.exec(
-                _readable().where(MemoryRecord.tenant_id == principal.tenant_id,
-                                           col(MemoryRecord.id).in_([i for i, _ in scored]), _alive(now)))}
+            # By primary key alone: with the tenant in the WHERE clause too, SQLite may walk the
+            # tenant's index instead. Tenant and expiry are checked on the rows.
+            found = session.exec(_readable().where(col(MemoryRecord.id).in_([i for i, _ in scored])))
+            rows = {r.id: r for r in found if r.tenant_id == principal.tenant_id
+                    and (r.expires_at is None or r.expires_at > now)}
         return [ScoredMemory(**to_public(rows[i]).model_dump(), score=s) for i, s in scored if i in rows]
 
     # -- read, update, delete --------------------------------------------------------------

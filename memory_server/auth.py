@@ -2,6 +2,8 @@
 
 import hashlib
 import secrets
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +60,36 @@ class Principal:
     def can_see(self, user_id: str | None, agent_id: str | None) -> bool:
         return all(not allowed or value in allowed
                    for allowed, value in ((self.user_ids, user_id), (self.agent_ids, agent_id)))
+
+
+class KeyCache:
+    """Verified keys for a few seconds, so a request does not need a database round trip to
+    authenticate. A revocation through this server clears it at once; one made elsewhere (the CLI,
+    another replica) takes effect within `ttl` seconds. Failed lookups are never cached."""
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, verify) -> Principal:
+        digest = hash_key(key)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._entries.get(digest)
+        if hit and hit[0] > now:
+            return hit[1]
+        principal = verify()
+        if self.ttl > 0:
+            with self._lock:
+                if len(self._entries) > 10_000:
+                    self._entries.clear()
+                self._entries[digest] = (now + self.ttl, principal)
+        return principal
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
 
 def hash_key(key: str) -> str:

@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     query_cache_size: int = Field(1024, ge=0)
 
     message_context_turns: int = Field(2, ge=0, le=20)
+    key_cache_seconds: float = Field(5.0, ge=0)
     dedup_threshold: float = Field(0.95, ge=0.0, le=1.0)
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     max_memory_bytes: int = Field(32 * 1024, ge=16)

@@ -155,6 +155,9 @@ class _OnnxEncoder:
         self.dimension, self._max_length = (int(v) for v in meta_file.read_text().split())
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
+        # ONNX Runtime's worker threads spin while idle; in a server that burns the CPU other
+        # requests need (16 concurrent searches: 6.6 -> 4.2 ms of CPU each with spinning off).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = onnxruntime.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
         self._inputs = [i.name for i in self._session.get_inputs()]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from memory_server.auth import create_key
+from memory_server.auth import KeyCache, create_key
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
 from memory_server.models import ApiKey
@@ -67,6 +67,7 @@ class Runtime:
     index: VectorIndex
     sync: IndexSync
     memories: VectorMemory
+    keys: KeyCache = field(default_factory=lambda: KeyCache(0))
     _stop: threading.Event = field(default_factory=threading.Event)
     _worker: threading.Thread | None = None
 
@@ -85,7 +86,7 @@ class Runtime:
         if not recreate_index:
             sync.catch_up()  # repair: replay whatever SQL committed that the index has not applied
         memories = VectorMemory(settings, engine, embedder, index, sync, sparse)
-        runtime = cls(settings, engine, embedder, index, sync, memories)
+        runtime = cls(settings, engine, embedder, index, sync, memories, KeyCache(settings.key_cache_seconds))
         if background:
             runtime.start_background()
         return runtime

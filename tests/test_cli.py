@@ -128,3 +128,24 @@ def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
         assert [h.memory for h in hits] == ["Uma paints murals"]
     finally:
         rt.close()
+
+
+def test_key_revoked_outside_the_server_is_refused_within_the_cache_ttl(tmp_path, embedder):
+    from sqlmodel import Session
+
+    from conftest import make_settings, start_server
+    from memory_server.auth import create_key, revoke_key
+
+    live, stop = start_server(make_settings(tmp_path / "data", key_cache_seconds=0.5), embedder)
+    try:
+        engine = live.app.state.runtime.engine
+        with Session(engine) as session:
+            row, key = create_key(session, tenant_id="default", role="agent")
+        with live.client(key) as c:
+            assert c.get("/v1/memories", params={"user_id": "u"}).status_code == 200
+            with Session(engine) as session:  # as `memory-server keys revoke` or another replica would
+                revoke_key(session, row.id)
+            time.sleep(0.6)
+            assert c.get("/v1/memories", params={"user_id": "u"}).status_code == 401
+    finally:
+        stop()

@@ -19,6 +19,10 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
     key = parse_authorization(authorization)
+    return runtime.keys.get(key, lambda: _verify(runtime, key))
+
+
+def _verify(runtime: Runtime, key: str) -> Principal:
     with Session(runtime.engine) as session:
         return verify_key(session, key)
 

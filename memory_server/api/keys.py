@@ -31,4 +31,6 @@ def list_api_keys(principal: PrincipalDep, runtime: RuntimeDep) -> KeyList:
 def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
     principal.require_admin()
     with Session(runtime.engine) as session:
-        return KeyPublic.model_validate(revoke_key(session, key_id, principal.tenant_id), from_attributes=True)
+        revoked = KeyPublic.model_validate(revoke_key(session, key_id, principal.tenant_id), from_attributes=True)
+    runtime.keys.clear()
+    return revoked

@@ -12,7 +12,10 @@ CHANGE_LOG_LOCK_ID = 0x6D656D6F
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # A pool as large as the request thread pool: an overflow connection is opened and closed
+        # per request otherwise, PRAGMAs and all.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               pool_size=40, max_overflow=20)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):

@@ -9,6 +9,7 @@ import logging
 import re
 import uuid
 from types import SimpleNamespace
+from typing import NamedTuple
 from datetime import datetime, timezone
 
 import numpy as np
@@ -36,6 +37,18 @@ from memory_server.storage.vectors.sparse import SparseEncoder
 log = logging.getLogger("memory_server")
 _NEVER = datetime(9999, 12, 31, tzinfo=timezone.utc)
 Scope = tuple[str | None, str | None, str | None]
+
+
+class Planned(NamedTuple):
+    """One memory an add request will create (unless it is a duplicate)."""
+
+    scope: Scope
+    text: str
+    metadata: dict
+    expires_at: datetime | None
+    context: str | None
+
+
 TIE_MARGIN = 8  # extra hits fetched so that ties at the top_k boundary are cut deterministically
 INFER_WARNING = "infer=true is not available yet: each message was stored as-is (infer=false)"
 
@@ -80,7 +93,7 @@ class VectorMemory:
 
     def _add(self, principal: Principal, items: list[AddRequest], *, batch: bool) -> AddResponse:
         now = utcnow()
-        planned: list[tuple[Scope, str, dict, datetime | None, str | None]] = []
+        planned: list[Planned] = []
         warnings: list[str] = []
         for i, item in enumerate(items):
             prefix = f"items[{i}]." if batch else ""
@@ -93,14 +106,14 @@ class VectorMemory:
             if item.infer and INFER_WARNING not in warnings:
                 warnings.append(INFER_WARNING)
             for text, extra, context in self._texts_of(item, prefix):
-                planned.append((scope, text, {**(item.metadata or {}), **extra}, item.expires_at, context))
+                planned.append(Planned(scope, text, {**(item.metadata or {}), **extra}, item.expires_at, context))
         if len(planned) > self.settings.max_batch_items:
             raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories", field="items")
 
-        vectors = self.embedder.embed([embedding_input(p[1], p[4]) for p in planned])
+        vectors = self.embedder.embed([embedding_input(p.text, p.context) for p in planned])
         results: list[AddResult] = []
         with Session(self.engine) as session:
-            existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p[1]) for p in planned], now)
+            existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p.text) for p in planned], now)
             added: list[tuple[Scope, np.ndarray, str, str]] = []
             rows: list[dict] = []
             for (scope, text, metadata, expires_at, context), vector in zip(planned, vectors):

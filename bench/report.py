@@ -173,6 +173,9 @@ ANALYSIS = ANALYSIS_FILE.read_text() if ANALYSIS_FILE.exists() else ""
 
 def write():
     ours, theirs, latency, http, locomo = (_load(n) for n in ("service", "mem0", "service-latency", "http", "locomo"))
+    million = _load("service-latency-1m")  # the 1M point is usually run on its own (~30 min)
+    if latency and million:
+        latency["sizes"].update(million["sizes"])
     any_result = next((r for r in (ours, theirs, latency, http, locomo) if r), None)
     m = any_result["machine"] if any_result else {}
     runs = "; ".join(f"{name} {r['machine']['when']}" + (f" (load {r['machine']['loadavg_1m']:.1f})"

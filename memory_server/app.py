@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app.include_router(keys.router)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    _install_metrics(app)
+    app.add_middleware(ObserveRequests, metrics=app.state.metrics)
     return app
 
 
@@ -84,17 +84,31 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal_error", "internal error; see the server log")
 
 
-def _install_metrics(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def _observe(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics: Metrics = request.app.state.metrics
-        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
-        metrics.latency.labels(request.method, path).observe(time.perf_counter() - started)
-        return response
+class ObserveRequests:
+    """Request count and latency per route template. Plain ASGI: Starlette's `@app.middleware`
+    wraps every request in extra tasks and streams, ~1 ms each on a busy 2-core box."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), 500
+
+        async def observed_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            path = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(scope["method"], path, str(status)).inc()
+            self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - started)
 
 
 class BodyLimit:

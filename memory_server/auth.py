@@ -73,18 +73,20 @@ class KeyCache:
         self._lock = threading.Lock()
 
     def get(self, key: str, verify) -> Principal:
-        digest = hash_key(key)
-        now = time.monotonic()
+        return self.peek(key) or self.put(key, verify())
+
+    def peek(self, key: str) -> Principal | None:
+        """The cached principal for a key, or None when it must be verified."""
         with self._lock:
-            hit = self._entries.get(digest)
-        if hit and hit[0] > now:
-            return hit[1]
-        principal = verify()
+            hit = self._entries.get(hash_key(key))
+        return hit[1] if hit and hit[0] > time.monotonic() else None
+
+    def put(self, key: str, principal: Principal) -> Principal:
         if self.ttl > 0:
             with self._lock:
                 if len(self._entries) > 10_000:
                     self._entries.clear()
-                self._entries[digest] = (now + self.ttl, principal)
+                self._entries[hash_key(key)] = (time.monotonic() + self.ttl, principal)
         return principal
 
     def clear(self) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sqlmodel import Session, select
 
-from conftest import make_settings
+from conftest import MODEL_DIR, make_settings
 from memory_server.errors import StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord
 from memory_server.runtime import Runtime
@@ -184,9 +184,22 @@ def test_onnx_and_torch_backends_give_the_same_vectors(embedder):
     from memory_server.embedding import Embedder
 
     torch_embedder = Embedder(backend="torch")
+    full = Embedder(model_dir=MODEL_DIR, quantize="none")
     texts = ["Quinn drinks oat milk lattes", "我喜欢吃四川火锅", "O-1001 " * 400]
-    assert embedder.backend == "onnx"
-    assert np.abs(embedder.embed(texts) - torch_embedder.embed(texts)).max() < 1e-5
+    assert (full.backend, full.name, torch_embedder.name) == ("onnx", "all-MiniLM-L6-v2", "all-MiniLM-L6-v2")
+    assert np.abs(full.embed(texts) - torch_embedder.embed(texts)).max() < 1e-5
+
+
+def test_int8_default_stays_close_to_full_precision_and_is_its_own_model(embedder):
+    from memory_server.embedding import Embedder
+
+    full = Embedder(model_dir=MODEL_DIR, quantize="none")
+    texts = [f"Quinn fact number {i}: {fact}" for i, fact in enumerate(FACTS)] + ["我喜欢吃四川火锅"]
+    assert embedder.name == "all-MiniLM-L6-v2+int8"  # the index refuses to mix the two (check_model)
+    cosine = (embedder.embed(texts) * full.embed(texts)).sum(axis=1)
+    assert cosine.min() > 0.98
+    with pytest.raises(StartupError, match="not available with the torch backend"):
+        Embedder(backend="torch", quantize="int8")
 
 
 def test_concurrent_small_embeddings_are_batched_and_stay_exact(embedder):

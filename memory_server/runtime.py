@@ -9,6 +9,7 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from memory_server import allocator
 from memory_server.auth import KeyCache, create_key
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
@@ -75,6 +76,7 @@ class Runtime:
     def open(cls, settings: Settings, *, embedder: Embedder | None = None, background: bool = False,
              recreate_index: bool = False) -> "Runtime":
         """`recreate_index` starts from an empty index (reindex); otherwise the stored one is checked."""
+        allocator.limit_arenas()
         engine = open_database(settings)
         embedder = embedder or Embedder(settings.embedding_model, backend=settings.embedding_backend,
                                         batch_size=settings.embedding_batch_size,
@@ -111,6 +113,7 @@ class Runtime:
                 if self.sync.applied_since_optimize >= self.settings.index_optimize_every:
                     self.sync.applied_since_optimize = 0
                     self.index.optimize()
+                    allocator.release_free_memory()
             except Exception:  # keep maintaining; the next round retries
                 log.exception("maintenance round failed")
 

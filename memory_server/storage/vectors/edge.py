@@ -37,8 +37,10 @@ class EdgeIndex:
         )
         return qe.EdgeConfig(
             vectors={"dense": dense},
-            sparse_vectors={"bm25": qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf)},
+            sparse_vectors={"bm25": qe.EdgeSparseVectorParams(modifier=qe.Modifier.Idf, memory=qe.Memory.Cached)},
+            hnsw_config=qe.HnswIndexConfig(m=16, ef_construct=100, full_scan_threshold=10000, memory=qe.Memory.Cached),
             payload_memory=qe.Memory.Cold,
+            id_tracker_memory=qe.Memory.Cached,
         )
 
     def _open(self) -> qe.EdgeShard:
@@ -58,11 +60,12 @@ class EdgeIndex:
             return shard
         self.path.mkdir(parents=True, exist_ok=True)
         shard = qe.EdgeShard.create(str(self.path), self._config())
-        shard.update(qe.UpdateOperation.create_field_index("tenant", qe.KeywordIndexParams(is_tenant=True)))
+        cached = qe.Memory.Cached
+        shard.update(qe.UpdateOperation.create_field_index("tenant", qe.KeywordIndexParams(is_tenant=True, memory=cached)))
         for name in KEYWORD_FIELDS:
-            shard.update(qe.UpdateOperation.create_field_index(name, qe.PayloadSchemaType.Keyword))
+            shard.update(qe.UpdateOperation.create_field_index(name, qe.KeywordIndexParams(memory=cached)))
         for name in FLOAT_FIELDS:
-            shard.update(qe.UpdateOperation.create_field_index(name, qe.PayloadSchemaType.Float))
+            shard.update(qe.UpdateOperation.create_field_index(name, qe.FloatIndexParams(memory=cached)))
         self._position = 0
         self._write_meta(shard, 0)
         shard.flush()

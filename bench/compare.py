@@ -24,7 +24,8 @@ def measure(side, name, sizes=(1000, 10000, 100000), batch_groups=100, n_queries
             max_seconds=120.0):
     """Adds, then per size: fill up to it and time searches (n_queries, or fewer past max_seconds)."""
     sizes = sorted(sizes)
-    data = memories(max(sizes))
+    largest = max(sizes)
+    data = memories(largest + AFTER)
     qs = queries(n_queries + warmup)
     out = {"side": name, "machine": machine(), "sizes": sizes, "search": {}, "fill": []}
     out.update(getattr(side, "describe", dict)())
@@ -72,4 +73,28 @@ def measure(side, name, sizes=(1000, 10000, 100000), batch_groups=100, n_queries
                 if t > deadline and len(lat) >= 50:
                     break
             out["search"][str(size)][mode] = {**percentiles(lat), "mean_results": hits / len(lat)}
+    out["add_at_largest"] = _adds_at(side, name, data[largest:], largest, batch_groups)
     return out
+
+
+AFTER = 12000  # memories past the largest size, for the adds timed there
+
+
+def _adds_at(side, name, fresh, size, batch_groups, singles=300):
+    """The same two kinds of add, into the store at its largest size (the target compares add
+    throughput at 100k memories): `singles` one at a time, then `batch_groups` users' memories."""
+    lat = []
+    t0 = time.perf_counter()
+    for user, text in tqdm(fresh[:singles], desc=f"{name}: add one at a time at {size}", unit="mem"):
+        t = time.perf_counter()
+        side.add_one(user, text)
+        lat.append(time.perf_counter() - t)
+    single = {"n": len(lat), "seconds": time.perf_counter() - t0, **percentiles(lat)}
+    single["per_s"] = single["n"] / single["seconds"]
+    chunk = fresh[singles:]
+    groups = _by_user(chunk)[:batch_groups]
+    t0 = time.perf_counter()
+    calls = side.add_groups([(u, [chunk[i][1] for i in idx]) for u, idx in groups])
+    took = time.perf_counter() - t0
+    n = sum(len(idx) for _, idx in groups)
+    return {"size": size, "add_single": single, "add_batched": {"n": n, "calls": calls, "seconds": took, "per_s": n / took}}

@@ -87,21 +87,24 @@ def main(argv=None):
     p.add_argument("--clients", default="16,64")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level")
     p.add_argument("--prefill", type=int, default=10000)
+    p.add_argument("--workers", default="1,2", help="server processes (`serve --workers`), one run each")
     p.add_argument("--out", default="http")
     a = p.parse_args(argv)
     result = {"machine": machine(), "prefill": a.prefill, "mix": "80% search / 20% add", "levels": [],
               "notes": ["query-embedding cache off (MEMORY_SERVER_QUERY_CACHE_SIZE=0): the synthetic queries "
                         "repeat far more often than real ones would, so every search embeds its query"]}
-    # The synthetic queries repeat (a few hundred distinct), so a cache would make searches look free.
-    with running_server(extra_env={"MEMORY_SERVER_QUERY_CACHE_SIZE": "0"}) as server:
-        prefill(server, a.prefill)
-        run_level(server, 4, min(5.0, a.duration))  # warm-up, not reported
-        for clients in (int(c) for c in a.clients.split(",")):
-            print(f"http: {clients} clients for {a.duration:.0f}s ...", flush=True)
-            level = run_level(server, clients, a.duration)
-            print(f"  {level['throughput_rps']:.0f} req/s, p99 {level['all'].get('p99_ms', 0):.0f} ms, "
-                  f"{level['errors']} errors", flush=True)
-            result["levels"].append(level)
+    for workers in (int(w) for w in a.workers.split(",")):
+        # The synthetic queries repeat (a few hundred distinct), so a cache would make searches look free.
+        env = {"MEMORY_SERVER_QUERY_CACHE_SIZE": "0", "MEMORY_SERVER_WORKERS": str(workers)}
+        with running_server(extra_env=env) as server:
+            prefill(server, a.prefill)
+            run_level(server, 4, min(5.0, a.duration))  # warm-up (every worker up), not reported
+            for clients in (int(c) for c in a.clients.split(",")):
+                print(f"http: {workers} worker(s), {clients} clients for {a.duration:.0f}s ...", flush=True)
+                level = {"workers": workers, **run_level(server, clients, a.duration)}
+                print(f"  {level['throughput_rps']:.0f} req/s, p99 {level['all'].get('p99_ms', 0):.0f} ms, "
+                      f"{level['errors']} errors", flush=True)
+                result["levels"].append(level)
     print(write_result(a.out, result))
 
 

@@ -60,7 +60,12 @@ def part1(ours, theirs):
     adds = []
     for label, key in (("one at a time", "add_single"), ("batched", "add_batched")):
         a, b = _get(o, key, "per_s"), _get(t, key, "per_s")
-        adds.append([label, _f(a), _f(b), _ratio(a, b)])
+        adds.append([f"{label}, into an empty store", _f(a), _f(b), _ratio(a, b)])
+    for label, key in (("one at a time", "add_single"), ("batched", "add_batched")):
+        a, b = _get(o, "add_at_largest", key, "per_s"), _get(t, "add_at_largest", key, "per_s")
+        size = _get(o, "add_at_largest", "size") or _get(t, "add_at_largest", "size")
+        if size:
+            adds.append([f"{label}, at {size:,} memories", _f(a), _f(b), _ratio(a, b)])
     rows = []
     for size in o.get("sizes") or t.get("sizes") or []:
         for pct in ("p50_ms", "p95_ms", "p99_ms"):
@@ -78,7 +83,9 @@ def part1(ours, theirs):
                f"an empty store. Batched: ours {_get(o, 'add_batched', 'n')} memories of 100 users in "
                f"{_get(o, 'add_batched', 'calls')} `add_batch` call(s); mem0 the same memories in "
                f"{_get(t, 'add_batched', 'calls')} `add(messages=[...])` calls, one per user (mem0's add takes one "
-               "scope and, with infer=False, embeds and inserts each message on its own).")
+               "scope and, with infer=False, embeds and inserts each message on its own). At the largest size the "
+               f"same again into the full store: {_get(o, 'add_at_largest', 'add_single', 'n')} single adds, then "
+               f"{_get(o, 'add_at_largest', 'add_batched', 'n')} memories of 100 users batched.")
     n_queries = ", ".join(f"{name} {size}: {_get(side, 'search', str(size), mode, 'n')}"
                           for name, side, mode in (("ours", o, "hybrid"), ("mem0", t, "default"))
                           for size in side.get("sizes", []))
@@ -120,7 +127,8 @@ def part2(latency):
 def part3(http):
     if not http:
         return "_Not run yet: `python -m bench http`._\n"
-    rows = [[lv["clients"], _f(lv["throughput_rps"]), _f(lv["all"].get("p50_ms")), _f(lv["all"].get("p95_ms")),
+    rows = [[lv.get("workers", 1), lv["clients"], _f(lv["throughput_rps"]), _f(lv["all"].get("p50_ms")),
+             _f(lv["all"].get("p95_ms")),
              _f(lv["all"].get("p99_ms")), _f(lv["search"].get("p99_ms")), _f(lv["add"].get("p99_ms")),
              lv["errors"], f"{lv['server_cpu_per_s']:.2f} / {lv['client_cpu_per_s']:.2f}"] for lv in http["levels"]]
     import matplotlib.pyplot as plt
@@ -131,16 +139,18 @@ def part3(http):
         ax.bar([i + j * width for i in range(len(rows))], [lv["all"].get(pct, 0) for lv in http["levels"]],
                width, label=pct[:3])
     ax.axhline(100, color="red", lw=1, ls="--", label="target p99 100 ms")
-    ax.set_xticks([i + width for i in range(len(rows))], [f"{lv['clients']} clients" for lv in http["levels"]])
+    ax.set_xticks([i + width for i in range(len(rows))],
+                  [f"{lv.get('workers', 1)}w {lv['clients']}c" for lv in http["levels"]])
     ax.set(ylabel="latency, ms", title=f"HTTP load, {http['mix']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(IMG / "part3-http-latency.png", dpi=110)
     plt.close(fig)
     return (f"{http['prefill']:,} memories pre-filled over 1,000 users; {http['mix']}; "
-            f"{http['levels'][0]['seconds']:.0f} s per level; one asyncio httpx client process on the same "
-            f"{http['machine']['cpus']}-core machine as the server (CPU columns: cores used by server / client).\n\n"
-            + _table(["clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",
+            f"{http['levels'][0]['seconds']:.0f} s per level; one asyncio aiohttp client process on the same "
+            f"{http['machine']['cpus']}-core machine as the server (CPU columns: cores used by the server's processes "
+            "/ the client); workers = `serve --workers`.\n\n"
+            + _table(["workers", "clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",
                       "CPU server / client"], rows)
             + "\n\n" + "\n".join(f"- {n}" for n in http.get("notes", []))
             + "\n\n![http latency](benchmarks/part3-http-latency.png)\n")

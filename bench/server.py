@@ -43,9 +43,17 @@ def _cli() -> list[str]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc), to tell whether the client or the server is saturated."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a process and its live children (Linux /proc; the workers of
+    `serve --workers N`), to tell whether the client or the server is saturated."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat.parent.name == str(pid) or fields[1] == str(pid):  # fields[1]: the parent's pid
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -23,8 +23,18 @@ _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404:
                  429: "rate_limited", 503: "unavailable"}
 
 
+def configure_logging(settings: Settings) -> None:
+    """Log lines with time and level, unless the embedding application configured logging itself."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def create_app(settings: Settings | None = None, *, embedder: Embedder | None = None) -> FastAPI:
-    settings = settings or Settings()
+    """The app; with no settings, they are read from the environment (how the worker processes of
+    `serve --workers N` build theirs)."""
+    if settings is None:
+        settings = Settings()
+        configure_logging(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

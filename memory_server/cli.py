@@ -32,18 +32,44 @@ def serve(
     host: Annotated[Optional[str], typer.Option(help="Bind address (MEMORY_SERVER_HOST).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (MEMORY_SERVER_PORT).")] = None,
     data_dir: DataDir = None,
+    workers: Annotated[Optional[int], typer.Option(help="Server processes (MEMORY_SERVER_WORKERS).")] = None,
 ) -> None:
     """Run the HTTP server (embedded SQLite + Qdrant Edge unless URLs are configured)."""
+    import os
+
     import uvicorn
 
-    from memory_server.app import create_app
+    from memory_server.app import configure_logging, create_app
 
-    settings = _settings(data_dir, host=host, port=port)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = _settings(data_dir, host=host, port=port, workers=workers)
+    configure_logging(settings)
     # A longer keep-alive than uvicorn's 5 s: clients and proxies that reuse connections under load
     # otherwise race the server's close (seen as rare connection resets in the HTTP benchmark).
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_keep_alive=30)
+    options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30)
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings), **options)
+        return
+    # Each worker process builds its own app from the environment: pass the command-line options on,
+    # and share the cores between the workers' model threads.
+    os.environ.update(MEMORY_SERVER_DATA_DIR=str(settings.data_dir.resolve()), MEMORY_SERVER_HOST=settings.host,
+                      MEMORY_SERVER_PORT=str(settings.port))
+    if not settings.embedding_threads:
+        os.environ["MEMORY_SERVER_EMBEDDING_THREADS"] = str(max(1, (os.cpu_count() or 1) // settings.workers))
+    _bootstrap(settings)  # once, before the workers race for it
+    uvicorn.run("memory_server.app:create_app", factory=True, workers=settings.workers, **options)
+
+
+def _bootstrap(settings: Settings) -> None:
+    from memory_server.runtime import ensure_bootstrap_key, open_database
+
+    engine = open_database(settings)
+    try:
+        key_file = ensure_bootstrap_key(engine, settings.data_dir)
+        if key_file is not None:
+            logging.getLogger("memory_server").warning(
+                "created the bootstrap admin key; it is in %s (mode 0600)", key_file)
+    finally:
+        engine.dispose()
 
 
 @app.command()
@@ -65,6 +91,11 @@ def reindex(
                                         reembed=runtime.embedder if reembed else None)
         runtime.sync.catch_up()
         console.print(f"reindexed {done} memories" + (" (re-embedded)" if reembed else ""))
+        if getattr(runtime.index, "path", None) is not None:
+            from memory_server.storage.vectors.edge import drop_unheld_shards
+
+            for path in drop_unheld_shards(runtime.settings.data_dir, runtime.index.path):
+                console.print(f"removed {path.name} (another server process's index; rebuilt from the log when needed)")
     except StartupError as exc:
         console.print(f"error: {exc}")
         raise typer.Exit(2) from None

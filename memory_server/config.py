@@ -14,6 +14,7 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    workers: int = Field(1, ge=1, le=64)
     data_dir: Path = Path("./memory-data")
     database_url: str | None = None
     qdrant_url: str | None = None

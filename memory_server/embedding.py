@@ -2,13 +2,14 @@
 
 Two backends give the same vectors (to ~1e-7): `onnx` (default; the model is exported once into
 the data directory and run by ONNX Runtime, several times faster on a CPU) and `torch`. The onnx
-backend runs an int8-quantised copy of the model by default (`quantize="int8"`): 2-2.4x less CPU
+backend runs an int8-quantised copy of the model by default (`quantize="int8"`): about half the CPU
 per text, cosine to the full-precision vectors >= 0.98 and the same LoCoMo recall (docs/benchmarks.md);
 `quantize="none"` runs full precision. The two count as different models for the index (`name`
 carries the suffix), so their vectors are never mixed.
 """
 
 import hashlib
+import logging
 import os
 import queue
 import threading
@@ -234,6 +235,10 @@ def _quantized(onnx_file: Path) -> Path:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        quantize_dynamic(str(onnx_file), str(partial), per_channel=True, weight_type=QuantType.QInt8)
+        logging.disable(logging.WARNING)  # the quantiser logs advice meant for image models to the root logger
+        try:
+            quantize_dynamic(str(onnx_file), str(partial), per_channel=True, weight_type=QuantType.QInt8)
+        finally:
+            logging.disable(logging.NOTSET)
         os.replace(partial, target)
     return target

@@ -34,9 +34,10 @@ def open_index(settings: Settings, dimension: int, model: str, *, recreate: bool
         client = QdrantClient(location=":memory:") if settings.qdrant_url == ":memory:" else \
             QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
         return QdrantServerIndex(client, settings.qdrant_collection, dimension, model, recreate=recreate)
-    from memory_server.storage.vectors.edge import EdgeIndex
+    from memory_server.storage.vectors.edge import EdgeIndex, claim_shard_dir
 
-    return EdgeIndex(settings.data_dir / "index", dimension, model, recreate=recreate)
+    path, hold = claim_shard_dir(settings.data_dir)
+    return EdgeIndex(path, dimension, model, recreate=recreate, hold=hold)
 
 
 def open_database(settings: Settings) -> Engine:

@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -29,12 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def served(tmp_path):
-    """A real `memory-server serve` process on a free port."""
+@contextmanager
+def serving(tmp_path, *extra):
+    """A real `memory-server serve` process on a free port: (url, data dir, log path)."""
     data_dir, port = tmp_path / "data", free_port()
     log = open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen([*CLI, "serve", "--port", str(port), "--data-dir", str(data_dir)],
+    process = subprocess.Popen([*CLI, "serve", "--port", str(port), "--data-dir", str(data_dir), *extra],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -46,10 +47,18 @@ def served(tmp_path):
             pass
         assert process.poll() is None, (tmp_path / "serve.log").read_text()
         time.sleep(0.3)
-    yield url, data_dir, tmp_path / "serve.log"
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+    try:
+        yield url, data_dir, tmp_path / "serve.log"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    with serving(tmp_path) as running:
+        yield running
 
 
 def test_serve_writes_bootstrap_key_0600_and_logs_only_its_path(served):
@@ -115,13 +124,16 @@ def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
     settings = make_settings(tmp_path / "data")
     admin = Principal("t", "k", "admin")
     rt = Runtime.open(settings, embedder=embedder)
+    other = Runtime.open(settings, embedder=embedder)  # a second server process's index: index-1
     rt.memories.add_batch(admin, [AddRequest(text=t, user_id="u") for t in ("Uma sails", "Uma paints murals")])
+    other.close()
     rt.close()
     import shutil
 
     shutil.rmtree(settings.data_dir / "index")  # lose the index entirely
     result = run_cli("reindex", data_dir=settings.data_dir)
     assert "reindexed 2 memories" in result.stderr + result.stdout
+    assert "removed index-1" in result.stderr + result.stdout and not (settings.data_dir / "index-1").exists()
     rt = Runtime.open(settings, embedder=embedder)
     try:
         hits = rt.memories.search(admin, SearchRequest(query="murals", filters={"user_id": "u"}, mode="keyword"))
@@ -149,3 +161,25 @@ def test_key_revoked_outside_the_server_is_refused_within_the_cache_ttl(tmp_path
             assert c.get("/v1/memories", params={"user_id": "u"}).status_code == 401
     finally:
         stop()
+
+
+def test_serve_with_workers_answers_every_write_from_whichever_process(tmp_path):
+    with serving(tmp_path, "--workers", "2") as (url, data_dir, log_path):
+        key = (data_dir / "bootstrap-admin.key").read_text().strip()
+        headers = {"Authorization": f"Bearer {key}"}
+        deadline = time.time() + 60  # the second worker may still be starting
+        while not (data_dir / "index-1").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        assert (data_dir / "index").is_dir() and (data_dir / "index-1").is_dir(), log_path.read_text()
+        for i in range(12):
+            # A new connection each time: the kernel hands it to either worker.
+            added = httpx.post(f"{url}/v1/memories", headers=headers,
+                               json={"text": f"Pat's locker number is {100 + i}", "user_id": "pat"}).json()
+            found = httpx.post(f"{url}/v1/memories/search", headers=headers,
+                               json={"query": f"locker {100 + i}", "filters": {"user_id": "pat"}, "top_k": 3}).json()
+            assert added["results"][0]["id"] in [hit["id"] for hit in found["results"]]
+        listed = httpx.get(f"{url}/v1/memories", headers=headers, params={"user_id": "pat"}).json()
+        assert len(listed["results"]) == 12
+    keys = run_cli("keys", "list", data_dir=data_dir).stdout.strip().splitlines()
+    assert len(keys) == 2  # header + one bootstrap key, though two workers started
+    assert log_path.read_text().count("created the bootstrap admin key") == 1

@@ -5,7 +5,7 @@ import pytest
 from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
-from memory_server.errors import StartupError, Unavailable
+from memory_server.errors import NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord
 from memory_server.runtime import Runtime
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
@@ -210,3 +210,36 @@ def test_concurrent_small_embeddings_are_batched_and_stay_exact(embedder):
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda t: embedder.embed([t])[0], texts))
     assert np.abs(np.stack(together) - alone).max() < 1e-5
+
+
+def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others_writes(settings, embedder, admin):
+    """What `serve --workers N` relies on: each Runtime claims a free index directory, and a search
+    first applies what the other one committed."""
+    first = Runtime.open(settings, embedder=embedder)
+    second = Runtime.open(settings, embedder=embedder)
+    try:
+        assert (first.index.info().extra["path"], second.index.info().extra["path"]) == (
+            str(settings.data_dir / "index"), str(settings.data_dir / "index-1"))
+        [added] = first.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn")).results
+        search = SearchRequest(query="who keeps bees?", filters={"user_id": "quinn"})
+        assert [hit.id for hit in second.memories.search(admin, search)] == [added.id]
+        second.memories.update(admin, added.id, UpdateRequest(text="Quinn keeps bees and hens on the roof"))
+        assert [hit.memory for hit in first.memories.search(admin, search)] == ["Quinn keeps bees and hens on the roof"]
+        with Session(first.engine) as racing:  # `first` loads the row, then `second` deletes it
+            stale = racing.get(MemoryRecord, added.id)
+            second.memories.delete(admin, added.id)
+            assert first.memories._delete_rows(racing, [stale], "key_racer") == []  # lost the race: no entry
+            racing.commit()
+        assert first.memories.search(admin, search) == []
+        with pytest.raises(NotFound):
+            first.memories.delete(admin, added.id)
+        events = [h.event for h in second.memories.history(admin, added.id)]
+        assert events == ["ADD", "UPDATE", "DELETE"]
+    finally:
+        second.close()
+        first.close()
+    again = Runtime.open(settings, embedder=embedder)  # a closed runtime's directory is free again
+    try:
+        assert again.index.info().extra["path"] == str(settings.data_dir / "index")
+    finally:
+        again.close()

@@ -58,6 +58,12 @@ class IndexSync:
         with Session(self.engine) as session:
             return session.exec(select(func.max(ChangeLogEntry.position))).one() or 0
 
+    def follow(self) -> None:
+        """Apply what other processes (workers, replicas) committed, if anything: a search then
+        sees every write that was answered before it began, whichever process took the write."""
+        if self.head() > self.index.applied_position():
+            self.catch_up()
+
     def catch_up(self) -> int:
         """Apply everything committed so far; returns how many entries were applied."""
         applied = 0

@@ -230,6 +230,10 @@ class VectorMemory:
         if not (principal.user_ids or principal.agent_ids or (condition is not None and bounds_scope(condition))):
             raise InvalidInput("a search must name at least one of user_id, agent_id, run_id in filters",
                                field="filters")
+        try:
+            self.sync.follow()
+        except Exception:  # answer from the index as it is; the maintenance thread retries
+            log.exception("vector index could not follow the change log")
         now = utcnow()
         full = All((restrict(principal, condition), Field("expires_at", "gt", now.timestamp())))
         settings = self.settings
@@ -333,7 +337,8 @@ class VectorMemory:
     def delete(self, principal: Principal, memory_id: str) -> int:
         with Session(self.engine) as session:
             row = self._load(session, principal, memory_id)
-            self._delete_rows(session, [row], principal.key_id)
+            if not self._delete_rows(session, [row], principal.key_id):
+                raise NotFound(f"no memory '{memory_id}'")  # deleted by a concurrent request
             session.commit()
         self._publish()
         return 1
@@ -344,16 +349,23 @@ class VectorMemory:
             raise InvalidInput("name at least one of user_id, agent_id, run_id", field="user_id")
         with Session(self.engine) as session:
             rows = session.exec(select(MemoryRecord).where(*self._scope_clauses(principal, user_id, agent_id, run_id))).all()
-            self._delete_rows(session, rows, principal.key_id)
+            deleted = self._delete_rows(session, rows, principal.key_id)
             session.commit()
         self._publish()
-        return len(rows)
+        return len(deleted)
 
-    def _delete_rows(self, session: Session, rows: list[MemoryRecord], actor: str) -> None:
-        self._record(session, [(row, row.text, None) for row in rows], "DELETE", actor)
+    def _delete_rows(self, session: Session, rows: list[MemoryRecord], actor: str) -> list[MemoryRecord]:
+        """Delete rows and record what was actually deleted: when two requests or processes delete
+        the same memory at once, only the one whose DELETE removed the row records it."""
         ids = [row.id for row in rows]
+        gone: set[str] = set()
         for start in range(0, len(ids), 500):
-            session.exec(sql_delete(MemoryRecord).where(col(MemoryRecord.id).in_(ids[start:start + 500])))
+            statement = (sql_delete(MemoryRecord).where(col(MemoryRecord.id).in_(ids[start:start + 500]))
+                         .returning(MemoryRecord.id).execution_options(synchronize_session=False))
+            gone.update(session.execute(statement).scalars())
+        deleted = [row for row in rows if row.id in gone]
+        self._record(session, [(row, row.text, None) for row in deleted], "DELETE", actor)
+        return deleted
 
     def purge_expired(self, limit: int = 1000) -> int:
         now = utcnow()

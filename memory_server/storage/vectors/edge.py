@@ -1,8 +1,16 @@
-"""Qdrant Edge: the real Qdrant engine in-process, one shard in the data directory."""
+"""Qdrant Edge: the real Qdrant engine in-process, one shard in the data directory.
 
+Each server process holds its own shard: the first free one of `index`, `index-1`, `index-2`, …
+(a lock file next to each says which are taken). Worker processes of `serve --workers N`, or a
+second server on the same data directory, therefore never share a shard; each follows the shared
+change log, which keeps them all in step with the database.
+"""
+
+import fcntl
 import shutil
 import threading
 from pathlib import Path
+from typing import IO
 
 import qdrant_edge as qe
 
@@ -15,16 +23,70 @@ KEYWORD_FIELDS = ("user_id", "agent_id", "run_id")
 FLOAT_FIELDS = ("created_at", "updated_at", "expires_at")
 
 
+MAX_SHARDS = 64
+
+
+def _slot_path(data_dir: Path, slot: int) -> Path:
+    return data_dir / ("index" if slot == 0 else f"index-{slot}")
+
+
+def _try_lock(path: Path) -> IO | None:
+    handle = open(path.with_name(path.name + ".lock"), "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return handle
+    except BlockingIOError:
+        handle.close()
+        return None
+
+
+def claim_shard_dir(data_dir: Path) -> tuple[Path, IO]:
+    """The first shard directory no other process (or open index) holds, and its held lock."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for slot in range(MAX_SHARDS):
+        handle = _try_lock(_slot_path(data_dir, slot))
+        if handle is not None:
+            return _slot_path(data_dir, slot), handle
+    raise StartupError(f"{MAX_SHARDS} processes already hold a vector index in {data_dir}")
+
+
+def drop_unheld_shards(data_dir: Path, keep: Path) -> list[Path]:
+    """Delete every other shard no process holds (after a reindex they describe the old index;
+    a process that needs one again rebuilds it from the change log)."""
+    dropped = []
+    for slot in range(MAX_SHARDS):
+        path = _slot_path(data_dir, slot)
+        if path == keep or not path.exists():
+            continue
+        handle = _try_lock(path)
+        if handle is not None:
+            with handle:
+                shutil.rmtree(path, ignore_errors=True)
+                dropped.append(path)
+    return dropped
+
+
 class EdgeIndex:
-    def __init__(self, path: Path, dimension: int, model: str, *, recreate: bool = False):
+    def __init__(self, path: Path, dimension: int, model: str, *, recreate: bool = False, hold: IO | None = None):
+        """`hold` is the shard directory's lock (from claim_shard_dir), released on close."""
         self.path = Path(path)
         self.dimension = dimension
         self.model = model
         self._lock = threading.Lock()
         self._position = 0
+        self._hold = hold
         if recreate:
             shutil.rmtree(self.path, ignore_errors=True)
-        self._shard = self._open()
+        try:
+            self._shard = self._open()
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            self._hold.close()  # closing the file releases the lock
+            self._hold = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def _config(self) -> qe.EdgeConfig:
@@ -77,8 +139,11 @@ class EdgeIndex:
 
     def close(self) -> None:
         with self._lock:
-            self._shard.flush()
-            self._shard.close()
+            try:
+                self._shard.flush()
+                self._shard.close()
+            finally:
+                self._release()
 
     def reset(self) -> None:
         with self._lock:
@@ -111,6 +176,10 @@ class EdgeIndex:
 
     def optimize(self) -> None:
         self._shard.optimize()
+        # The segments an optimisation replaced stay on disk (and mapped) until the next flush:
+        # without it, every optimisation of a growing index left its whole previous copy behind
+        # (2.9 GB on disk for 100k memories instead of ~0.6 GB).
+        self._shard.flush()
 
     # -- reads -----------------------------------------------------------------------------
     def search(self, query: IndexQuery) -> list[Hit]:
@@ -136,7 +205,9 @@ class EdgeIndex:
 
     def info(self) -> IndexInfo:
         info = self._shard.info()
-        return IndexInfo("qdrant-edge", self.dimension, max(0, info.points_count - 1), self._position,
+        # info() estimates points across segments (old versions included); count() is exact.
+        points = self._shard.count(qe.CountRequest(exact=True))
+        return IndexInfo("qdrant-edge", self.dimension, max(0, points - 1), self._position,
                          {"segments": info.segments_count, "path": str(self.path)})
 
 

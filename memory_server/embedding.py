@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,29 @@ class Embedder:
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
         for chosen, vectors in zip(chunks, results):
             out[chosen] = vectors
+        return out
+
+    def embed_ahead(self, texts: list[str]) -> Iterator[np.ndarray]:
+        """One vector per text, in order, handed out while the later ones are still being embedded:
+        the caller's work on the first vectors (a batch add's duplicate checks and rows) overlaps
+        the model's work on the next ones."""
+        if self._pool is None or len(texts) <= self.batch_size:
+            yield from self.embed(texts)
+            return
+        chunks = [texts[start:start + self.batch_size] for start in range(0, len(texts), self.batch_size)]
+        pending = [self._pool.submit(self._encode_sorted, chunk) for chunk in chunks]
+        try:
+            for future in pending:
+                yield from future.result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _encode_sorted(self, texts: list[str]) -> np.ndarray:
+        """One model call's worth; texts of similar length together waste less work on padding."""
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = np.empty((len(texts), self.dimension), dtype=np.float32)
+        out[order] = self._encoder.encode([texts[i] for i in order])
         return out
 
     def embed_query(self, text: str) -> np.ndarray:

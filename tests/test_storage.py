@@ -140,6 +140,9 @@ class TinyEmbedder:
     def embed(self, texts):
         return np.full((len(texts), 8), 8 ** -0.5, dtype=np.float32)
 
+    def embed_ahead(self, texts):
+        return iter(self.embed(texts))
+
 
 @pytest.mark.parametrize("backend", ["edge", "qdrant"])
 def test_model_with_another_dimension_is_refused_at_startup(tmp_path, embedder, backend):
@@ -200,6 +203,13 @@ def test_int8_default_stays_close_to_full_precision_and_is_its_own_model(embedde
     assert cosine.min() > 0.98
     with pytest.raises(StartupError, match="not available with the torch backend"):
         Embedder(backend="torch", quantize="int8")
+
+
+def test_vectors_handed_out_ahead_are_the_same_vectors_in_the_same_order(embedder):
+    texts = [f"{FACTS[i % len(FACTS)]} (note {i}{'!' * (i % 7)})" for i in range(300)]
+    ahead = list(embedder.embed_ahead(texts))
+    assert len(ahead) == len(texts)
+    assert np.abs(np.stack(ahead) - embedder.embed(texts)).max() < 1e-6
 
 
 def test_concurrent_small_embeddings_are_batched_and_stay_exact(embedder):

@@ -110,7 +110,8 @@ class VectorMemory:
         if len(planned) > self.settings.max_batch_items:
             raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories", field="items")
 
-        vectors = self.embedder.embed([embedding_input(p.text, p.context) for p in planned])
+        # Vectors arrive in order while the rest are still being embedded (see embed_ahead).
+        vectors = self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned])
         results: list[AddResult] = []
         with Session(self.engine) as session:
             existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p.text) for p in planned], now)

@@ -105,6 +105,25 @@ def test_contract_upsert_is_idempotent_and_tenant_is_always_filtered(backend_run
     assert index.search(negated) == []
 
 
+def test_contract_search_batch_answers_each_query_as_search_would(backend_runtime, admin, embedder):
+    load(backend_runtime, admin)
+    index, sparse = backend_runtime.index, backend_runtime.sync.sparse
+    tenant = All((Field("tenant", "eq", admin.tenant_id), Field("user_id", "eq", "u1")))
+    queries = [
+        IndexQuery(mode="dense", filter=tenant, limit=3, dense=embedder.embed_query("balcony herbs").tolist()),
+        IndexQuery(mode="keyword", filter=tenant, limit=3, sparse=sparse.query("the")),  # no searchable terms
+        IndexQuery(mode="keyword", filter=tenant, limit=3, sparse=sparse.query("passport")),
+        IndexQuery(mode="hybrid", filter=tenant, limit=3, dense=embedder.embed_query("flight").tolist(),
+                   sparse=sparse.query("flight"), rrf_k=2),
+        IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "someone-else"),)), limit=3,
+                   dense=embedder.embed_query("flight").tolist()),
+    ]
+    batched = index.search_batch(queries)
+    assert [[h.id for h in hits] for hits in batched] == [[h.id for h in index.search(q)] for q in queries]
+    assert len(batched[0]) == 3 and batched[1] == [] and len(batched[2]) == 1 and batched[4] == []
+    assert index.search_batch([]) == []
+
+
 def test_edge_and_qdrant_server_return_the_same_ids_in_the_same_order(tmp_path, embedder, admin):
     """One SQL database, two indexes fed from its change log (as two replicas would be)."""
     from qdrant_client import QdrantClient

@@ -151,6 +151,23 @@ def test_duplicates_inside_one_batch_collapse(server):
         assert [r["event"] for r in results] == ["ADD", "NOOP"] and results[0]["id"] == results[1]["id"]
 
 
+def test_duplicates_are_found_across_a_large_batch_and_the_store(server):
+    """Batches are checked in groups (one index query per group): duplicates of stored memories and
+    of earlier items in other groups of the same batch are still caught, numbers still matter."""
+    with server.client() as c:
+        stored = add(c, "Iris keeps her spare key under the blue flowerpot", user_id="iris")
+        filler = [{"text": f"Iris noted item number {n} in her garden journal", "user_id": "iris"} for n in range(150)]
+        items = filler[:70] + [{"text": "Iris keeps her spare key under the blue flowerpot.", "user_id": "iris"}] \
+            + filler[70:] + [{"text": "Iris noted item number 3 in her garden journal.", "user_id": "iris"},
+                             {"text": "Iris noted item number 151 in her garden journal", "user_id": "iris"}]
+        results = c.post("/v1/memories/batch", json={"items": items}).json()["results"]
+        assert len(results) == 153
+        assert results[70]["event"] == "NOOP" and results[70]["id"] == stored["id"]
+        assert results[151]["event"] == "NOOP" and results[151]["id"] == results[3]["id"]
+        assert results[152]["event"] == "ADD"
+        assert [r["event"] for r in results[:70] + results[71:151]] == ["ADD"] * 150
+
+
 def test_expired_memories_never_come_back_and_are_purged(server):
     with server.client() as c:
         soon = (datetime.now(timezone.utc) + timedelta(seconds=1.5)).isoformat()

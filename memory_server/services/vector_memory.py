@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import uuid
+from itertools import islice
 from types import SimpleNamespace
 from typing import NamedTuple
 from datetime import datetime, timezone
@@ -115,25 +116,28 @@ class VectorMemory:
         results: list[AddResult] = []
         with Session(self.engine) as session:
             existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p.text) for p in planned], now)
-            added: list[tuple[Scope, np.ndarray, str, str]] = []
+            added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
             rows: list[dict] = []
-            for (scope, text, metadata, expires_at, context), vector in zip(planned, vectors):
-                digest = text_hash(text)
-                # A message embedded with its conversation is compared by text only: overlapping
-                # context makes neighbouring turns look alike to the model.
-                duplicate = existing.get((scope, digest)) or (None if context else self._near_duplicate(
-                    session, principal, scope, text, vector, added, now))
-                if duplicate:  # the memory already held, as stored
-                    results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
-                    continue
-                memory_id = str(uuid.uuid4())
-                rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
-                             "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
-                             "hash": digest, "meta": metadata, "embedding": vector.tobytes(), "created_at": now,
-                             "updated_at": now, "expires_at": expires_at})
-                existing[(scope, digest)] = (memory_id, text)
-                added.append((scope, vector, memory_id, text))
-                results.append(AddResult(id=memory_id, memory=text, event="ADD"))
+            for group in _groups(zip(planned, vectors), self.embedder.batch_size):
+                stored = self._stored_near_duplicates(session, principal, group, existing, now)
+                for (planned_memory, vector), candidates in zip(group, stored):
+                    scope, text, metadata, expires_at, context = planned_memory
+                    digest = text_hash(text)
+                    # A message embedded with its conversation is compared by text only: overlapping
+                    # context makes neighbouring turns look alike to the model.
+                    duplicate = existing.get((scope, digest)) or (None if context else self._near_duplicate(
+                        text, vector, added.get(scope, ()), candidates))
+                    if duplicate:  # the memory already held, as stored
+                        results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
+                        continue
+                    memory_id = str(uuid.uuid4())
+                    rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
+                                 "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
+                                 "hash": digest, "meta": metadata, "embedding": vector.tobytes(), "created_at": now,
+                                 "updated_at": now, "expires_at": expires_at})
+                    existing[(scope, digest)] = (memory_id, text)
+                    added.setdefault(scope, []).append((vector, memory_id, text))
+                    results.append(AddResult(id=memory_id, memory=text, event="ADD"))
             if rows:
                 session.execute(insert(MemoryRecord), rows)
                 self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD", principal.key_id)
@@ -181,28 +185,36 @@ class VectorMemory:
         ).all()
         return {((u, a, r), h): (i, t) for i, u, a, r, h, t in rows}
 
-    def _near_duplicate(self, session: Session, principal: Principal, scope: Scope, text: str, vector: np.ndarray,
-                        added: list[tuple[Scope, np.ndarray, str, str]], now: datetime) -> tuple[str, str] | None:
-        """Same scope, cosine >= the dedup threshold, and the same numbers (so "order O-1002" and
-        "order O-1010", which MiniLM embeds almost identically, stay two memories)."""
+    def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
+                                existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
+        """For each planned memory of a group: the stored memories of its scope that it comes close
+        to (cosine >= the dedup threshold), as (id, text), closest first. One batched index query
+        and one SQL query for the whole group."""
         threshold = self.settings.dedup_threshold
-        numbers = _numbers(text)
-        for other_scope, other_vector, other_id, other_text in added:
-            if (other_scope == scope and float(np.dot(vector, other_vector)) >= threshold
-                    and _numbers(other_text) == numbers):
-                return other_id, other_text
-        condition = All((
+        wanted = [i for i, (p, _) in enumerate(group) if not p.context and (p.scope, text_hash(p.text)) not in existing]
+        queries = [IndexQuery(mode="dense", limit=5, dense=group[i][1].tolist(), filter=All((
             Field("tenant", "eq", principal.tenant_id),
-            *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), scope)),
+            *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), group[i][0].scope)),
             Field("expires_at", "gt", now.timestamp()),
-        ))
-        hits = self.index.search(IndexQuery(mode="dense", filter=condition, limit=5, dense=vector.tolist()))
-        candidates = [hit.id for hit in hits if hit.score >= threshold]
-        if not candidates:
-            return None
-        rows = session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(candidates))).all()
-        texts = dict(rows)
-        return next(((i, texts[i]) for i in candidates if i in texts and _numbers(texts[i]) == numbers), None)
+        ))) for i in wanted]
+        close = {i: [hit.id for hit in hits if hit.score >= threshold]
+                 for i, hits in zip(wanted, self.index.search_batch(queries) if queries else [])}
+        ids = {memory_id for found in close.values() for memory_id in found}
+        texts = dict(session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(ids))).all()
+                     ) if ids else {}
+        return [[(m, texts[m]) for m in close.get(i, ()) if m in texts] for i in range(len(group))]
+
+    def _near_duplicate(self, text: str, vector: np.ndarray, added: list[tuple[np.ndarray, str, str]],
+                        stored: list[tuple[str, str]]) -> tuple[str, str] | None:
+        """A memory of the same scope, added earlier in this request or stored, that is this one in
+        other words: cosine >= the dedup threshold (stored ones come pre-selected by it), and the
+        same numbers (so "order O-1002" and "order O-1010", which MiniLM embeds almost identically,
+        stay two memories)."""
+        numbers = _numbers(text)
+        for other_vector, other_id, other_text in added:
+            if float(np.dot(vector, other_vector)) >= self.settings.dedup_threshold and _numbers(other_text) == numbers:
+                return other_id, other_text
+        return next(((i, t) for i, t in stored if _numbers(t) == numbers), None)
 
     def _record(self, session: Session, changes: list[tuple], event: str, actor: str) -> None:
         """History entries and change-log entries for (memory, old text, new text) changes, in the
@@ -409,6 +421,13 @@ def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...
 
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def _groups(items, size: int):
+    """Consecutive lists of `size` items (the last one shorter) from any iterable, lazily."""
+    iterator = iter(items)
+    while group := list(islice(iterator, size)):
+        yield group
 
 
 def _numbers(text: str) -> list[str]:

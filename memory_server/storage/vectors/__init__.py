@@ -60,6 +60,9 @@ class VectorIndex(Protocol):
 
     def search(self, query: IndexQuery) -> list[Hit]: ...
 
+    def search_batch(self, queries: list[IndexQuery]) -> list[list[Hit]]:
+        """One hit list per query, in order; planned and run together (a batch add's duplicate checks)."""
+
     def applied_position(self) -> int: ...
 
     def set_applied_position(self, position: int) -> None: ...

@@ -103,6 +103,11 @@ class EdgeIndex:
             hnsw_config=qe.HnswIndexConfig(m=16, ef_construct=100, full_scan_threshold=10000, memory=qe.Memory.Cached),
             payload_memory=qe.Memory.Cold,
             id_tracker_memory=qe.Memory.Cached,
+            # Segments stop growing at ~170k memories (the size counts full vectors: 1.5 KB each),
+            # and up to 8 may stand side by side before small ones are merged. Without the cap every
+            # optimisation merged new points into one ever larger segment: at 600k memories it took
+            # ~20 s per 20k adds and halved the add rate; capped it stays ~3 s (docs/benchmarks.md).
+            optimizers=qe.EdgeOptimizersConfig(default_segment_number=8, max_segment_size=256_000),
         )
 
     def _open(self) -> qe.EdgeShard:
@@ -183,25 +188,36 @@ class EdgeIndex:
 
     # -- reads -----------------------------------------------------------------------------
     def search(self, query: IndexQuery) -> list[Hit]:
+        request = self._request(query)
+        return [] if request is None else _hits(self._shard.query(request))
+
+    def search_batch(self, queries: list[IndexQuery]) -> list[list[Hit]]:
+        requests = [self._request(query) for query in queries]
+        runnable = [request for request in requests if request is not None]
+        answers = iter(self._shard.query_batch(qe.QueryBatchRequest(runnable)) if runnable else [])
+        return [[] if request is None else _hits(next(answers)) for request in requests]
+
+    @staticmethod
+    def _request(query: IndexQuery) -> qe.QueryRequest | None:
+        """The Edge request for a query; None when it cannot match anything (a keyword query
+        without searchable terms)."""
         flt = qe.Filter(must=[_translate(query.filter)])
         if query.mode == "dense":
-            request = qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)
-        elif query.mode == "keyword":
+            return qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)
+        if query.mode == "keyword":
             if not query.sparse or not query.sparse.indices:
-                return []
+                return None
             sparse = qe.SparseVector(query.sparse.indices, query.sparse.values)
-            request = qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt)
-        else:
-            prefetches = [qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)]
-            weights = [query.weights[0]]
-            if query.sparse and query.sparse.indices:
-                sparse = qe.SparseVector(query.sparse.indices, query.sparse.values)
-                prefetches.append(qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt))
-                weights.append(query.weights[1])
-            request = qe.QueryRequest(
-                limit=query.limit, prefetches=prefetches, query=qe.Fusion.Rrf(k=query.rrf_k, weights=weights), filter=flt
-            )
-        return [Hit(str(p.id), float(p.score)) for p in self._shard.query(request)]
+            return qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt)
+        prefetches = [qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)]
+        weights = [query.weights[0]]
+        if query.sparse and query.sparse.indices:
+            sparse = qe.SparseVector(query.sparse.indices, query.sparse.values)
+            prefetches.append(qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt))
+            weights.append(query.weights[1])
+        return qe.QueryRequest(
+            limit=query.limit, prefetches=prefetches, query=qe.Fusion.Rrf(k=query.rrf_k, weights=weights), filter=flt
+        )
 
     def info(self) -> IndexInfo:
         info = self._shard.info()
@@ -209,6 +225,10 @@ class EdgeIndex:
         points = self._shard.count(qe.CountRequest(exact=True))
         return IndexInfo("qdrant-edge", self.dimension, max(0, points - 1), self._position,
                          {"segments": info.segments_count, "path": str(self.path)})
+
+
+def _hits(points) -> list[Hit]:
+    return [Hit(str(p.id), float(p.score)) for p in points]
 
 
 def check_model(meta: dict, dimension: int, model: str, where: str) -> None:

@@ -78,36 +78,40 @@ class QdrantServerIndex:
         """A Qdrant server runs its optimizers on its own."""
 
     def search(self, query: IndexQuery) -> list[Hit]:
-        flt = models.Filter(must=[_translate(query.filter)])
-        sparse = None
-        if query.sparse and query.sparse.indices:
-            sparse = models.SparseVector(indices=query.sparse.indices, values=query.sparse.values)
-        if query.mode == "dense":
-            response = self.client.query_points(
-                self.collection, query=query.dense, using="dense", query_filter=flt, limit=query.limit
-            )
-        elif query.mode == "keyword":
-            if sparse is None:
-                return []
-            response = self.client.query_points(self.collection, query=sparse, using="bm25", query_filter=flt, limit=query.limit)
-        else:
-            prefetch = [models.Prefetch(query=query.dense, using="dense", filter=flt, limit=query.candidates)]
-            weights = [query.weights[0]]
-            if sparse is not None:
-                prefetch.append(models.Prefetch(query=sparse, using="bm25", filter=flt, limit=query.candidates))
-                weights.append(query.weights[1])
-            response = self.client.query_points(
-                self.collection,
-                prefetch=prefetch,
-                query=models.RrfQuery(rrf=models.Rrf(k=query.rrf_k, weights=weights)),
-                query_filter=flt,
-                limit=query.limit,
-            )
-        return [Hit(str(p.id), float(p.score)) for p in response.points]
+        return self.search_batch([query])[0]
+
+    def search_batch(self, queries: list[IndexQuery]) -> list[list[Hit]]:
+        requests = [_request(query) for query in queries]
+        runnable = [request for request in requests if request is not None]
+        answers = iter(self.client.query_batch_points(self.collection, runnable) if runnable else [])
+        return [[] if request is None else [Hit(str(p.id), float(p.score)) for p in next(answers).points]
+                for request in requests]
 
     def info(self) -> IndexInfo:
         count = self.client.count(self.collection, exact=True).count
         return IndexInfo("qdrant", self.dimension, max(0, count - 1), self._position, {"collection": self.collection})
+
+
+def _request(query: IndexQuery) -> models.QueryRequest | None:
+    """The Qdrant request for a query; None when it cannot match anything (a keyword query
+    without searchable terms)."""
+    flt = models.Filter(must=[_translate(query.filter)])
+    sparse = None
+    if query.sparse and query.sparse.indices:
+        sparse = models.SparseVector(indices=query.sparse.indices, values=query.sparse.values)
+    if query.mode == "dense":
+        return models.QueryRequest(query=query.dense, using="dense", filter=flt, limit=query.limit)
+    if query.mode == "keyword":
+        if sparse is None:
+            return None
+        return models.QueryRequest(query=sparse, using="bm25", filter=flt, limit=query.limit)
+    prefetch = [models.Prefetch(query=query.dense, using="dense", filter=flt, limit=query.candidates)]
+    weights = [query.weights[0]]
+    if sparse is not None:
+        prefetch.append(models.Prefetch(query=sparse, using="bm25", filter=flt, limit=query.candidates))
+        weights.append(query.weights[1])
+    return models.QueryRequest(prefetch=prefetch, query=models.RrfQuery(rrf=models.Rrf(k=query.rrf_k, weights=weights)),
+                               filter=flt, limit=query.limit)
 
 
 def _translate(node: Condition):

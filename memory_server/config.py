@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     expiry_sweep_seconds: float = Field(60.0, gt=0)
     sync_interval_seconds: float = Field(1.0, gt=0)
     index_optimize_every: int = Field(20000, ge=100)
+    index_search_threads: int = Field(1, ge=0, le=256)  # Qdrant Edge search pool; 0 = one per CPU
     log_level: str = "INFO"
 
     @field_validator("data_dir")

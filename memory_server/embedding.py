@@ -2,14 +2,14 @@
 
 Two backends give the same vectors (to ~1e-7): `onnx` (default; the model is exported once into
 the data directory and run by ONNX Runtime, several times faster on a CPU) and `torch`. The onnx
-backend runs an int8-quantised copy of the model by default (`quantize="int8"`): about half the CPU
-per text, cosine to the full-precision vectors >= 0.98 and the same LoCoMo recall (docs/benchmarks.md);
-`quantize="none"` runs full precision. The two count as different models for the index (`name`
-carries the suffix), so their vectors are never mixed.
+backend runs an int8-quantised copy of the model by default (`quantize="int8"`, activations
+quantised per token: memory_server/quantize.py): less than half the CPU per text, cosine to the
+full-precision vectors >= 0.997 and the same LoCoMo recall (docs/benchmarks.md), and a text's vector
+does not depend on what it is batched with. `quantize="none"` runs full precision. The two count as
+different models for the index (`name` carries the suffix), so their vectors are never mixed.
 """
 
 import hashlib
-import logging
 import os
 import queue
 import threading
@@ -53,7 +53,8 @@ class Embedder:
         if quantize not in ("none", "int8") or (quantize != "none" and backend != "onnx"):
             raise StartupError(f"embedding quantization '{quantize}' is not available with the {backend} backend; "
                                "use the onnx backend or MEMORY_SERVER_EMBEDDING_QUANTIZE=none")
-        self.name = model if quantize == "none" else f"{model}+{quantize}"
+        # Indexes made by the earlier per-tensor int8 model ("+int8") need `reindex --reembed`.
+        self.name = model if quantize == "none" else f"{model}+{quantize}-per-token"
         self.backend = backend
         self.batch_size = batch_size
         path = resolve_model_path(model)
@@ -197,10 +198,6 @@ class _OnnxEncoder:
         if not onnx_file.exists() or not meta_file.exists():
             self._export(path, onnx_file, meta_file)
         self.dimension, self._max_length = (int(v) for v in meta_file.read_text().split())
-        # int8 activations are quantised with one scale per model call, so in a batch each text's
-        # vector would depend on its neighbours: the int8 model embeds one text per call (which
-        # costs it almost nothing: 1.69 vs 1.63 ms of CPU per text batched) and stays deterministic.
-        self._one_per_call = quantize == "int8"
         if quantize == "int8":
             onnx_file = _quantized(onnx_file)
         options = onnxruntime.SessionOptions()
@@ -241,28 +238,19 @@ class _OnnxEncoder:
         meta_file.write_text(f"{_dimension(model)} {model.max_seq_length}")
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        if self._one_per_call:
-            encoded = self._tokenizer(texts, truncation=True, max_length=self._max_length)
-            return np.concatenate([
-                self._session.run(None, {name: np.asarray([encoded[name][i]], dtype=np.int64) for name in self._inputs})[0]
-                for i in range(len(texts))])
         encoded = self._tokenizer(texts, padding=True, truncation=True, max_length=self._max_length, return_tensors="np")
         feeds = {name: encoded[name].astype(np.int64) for name in self._inputs}
         return self._session.run(None, feeds)[0]
 
 
 def _quantized(onnx_file: Path) -> Path:
-    """The int8 copy of an exported model (dynamic quantisation, per-channel weights), made once
-    next to it. Per-tensor weights are faster still but fall to cosine 0.93 against full precision."""
-    target = onnx_file.with_name(f"{onnx_file.stem}-int8.onnx")
+    """The int8 copy of an exported model (per-channel weights, per-token activations: see
+    memory_server/quantize.py), made once next to it."""
+    target = onnx_file.with_name(f"{onnx_file.stem}-int8-per-token.onnx")
     if not target.exists():
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        from memory_server.quantize import quantize_per_token
 
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        logging.disable(logging.WARNING)  # the quantiser logs advice meant for image models to the root logger
-        try:
-            quantize_dynamic(str(onnx_file), str(partial), per_channel=True, weight_type=QuantType.QInt8)
-        finally:
-            logging.disable(logging.NOTSET)
+        quantize_per_token(onnx_file, partial)
         os.replace(partial, target)
     return target

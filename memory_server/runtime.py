@@ -37,7 +37,8 @@ def open_index(settings: Settings, dimension: int, model: str, *, recreate: bool
     from memory_server.storage.vectors.edge import EdgeIndex, claim_shard_dir
 
     path, hold = claim_shard_dir(settings.data_dir)
-    return EdgeIndex(path, dimension, model, recreate=recreate, hold=hold)
+    return EdgeIndex(path, dimension, model, recreate=recreate, hold=hold,
+                     search_threads=settings.index_search_threads or None)
 
 
 def open_database(settings: Settings) -> Engine:

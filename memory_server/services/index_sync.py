@@ -48,6 +48,9 @@ POINT_COLUMNS = (MemoryRecord.id, MemoryRecord.tenant_id, MemoryRecord.user_id, 
                  MemoryRecord.created_at, MemoryRecord.updated_at, MemoryRecord.expires_at)
 
 
+_HEAD = select(func.max(ChangeLogEntry.position))
+
+
 class IndexSync:
     """Applies change-log entries after the index's recorded position, in order."""
 
@@ -60,8 +63,9 @@ class IndexSync:
         self.applied_since_optimize = 0
 
     def head(self) -> int:
-        with Session(self.engine) as session:
-            return session.exec(select(func.max(ChangeLogEntry.position))).one() or 0
+        # A plain connection: every search asks this first, and an ORM session cost ~4x the query.
+        with self.engine.connect() as connection:
+            return connection.execute(_HEAD).scalar() or 0
 
     def follow(self) -> None:
         """Apply what other processes (workers, replicas) committed, if anything: a search then

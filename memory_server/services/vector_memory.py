@@ -14,7 +14,7 @@ from typing import NamedTuple
 from datetime import datetime, timezone
 
 import numpy as np
-from sqlalchemy import and_, delete as sql_delete, func, insert, or_
+from sqlalchemy import and_, bindparam, delete as sql_delete, func, or_
 from sqlalchemy.orm import defer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -115,7 +115,7 @@ class VectorMemory:
         vectors = self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned])
         results: list[AddResult] = []
         with Session(self.engine) as session:
-            existing = self._exact_duplicates(session, principal.tenant_id, [text_hash(p.text) for p in planned], now)
+            existing = self._exact_duplicates(session, principal.tenant_id, planned, now)
             added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
             rows: list[dict] = []
             for group in _groups(zip(planned, vectors), self.embedder.batch_size):
@@ -133,13 +133,14 @@ class VectorMemory:
                     memory_id = str(uuid.uuid4())
                     rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
                                  "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
-                                 "hash": digest, "meta": metadata, "embedding": vector.tobytes(), "created_at": now,
+                                 "hash": digest, "metadata": metadata, "embedding": vector.tobytes(), "created_at": now,
                                  "updated_at": now, "expires_at": expires_at})
                     existing[(scope, digest)] = (memory_id, text)
                     added.setdefault(scope, []).append((vector, memory_id, text))
                     results.append(AddResult(id=memory_id, memory=text, event="ADD"))
             if rows:
-                session.execute(insert(MemoryRecord), rows)
+                # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
+                session.execute(MemoryRecord.__table__.insert(), rows)
                 self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD", principal.key_id)
             session.commit()
         self._publish()
@@ -177,13 +178,18 @@ class VectorMemory:
         if len(text.encode()) > self.settings.max_memory_bytes:
             raise InvalidInput(f"memory text exceeds {self.settings.max_memory_bytes} bytes", field=field)
 
-    def _exact_duplicates(self, session: Session, tenant_id: str, hashes: list[str], now: datetime) -> dict:
-        rows = session.exec(
-            select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash,
-                   MemoryRecord.text)
-            .where(MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_(set(hashes)), _alive(now))
-        ).all()
-        return {((u, a, r), h): (i, t) for i, u, a, r, h, t in rows}
+    def _exact_duplicates(self, session: Session, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
+        """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
+        query = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
+                       MemoryRecord.hash, MemoryRecord.text).where(
+            MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_({text_hash(p.text) for p in planned}),
+            _alive(now))
+        users = {p.scope[0] for p in planned}
+        if None not in users:
+            # Common texts recur across users: without this, the rows fetched grew with the store
+            # (the largest part of a batch add's own work during a 1M fill).
+            query = query.where(col(MemoryRecord.user_id).in_(users))
+        return {((u, a, r), h): (i, t) for i, u, a, r, h, t in session.exec(query).all()}
 
     def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
@@ -223,12 +229,12 @@ class VectorMemory:
             return
         lock_change_log(session)
         now = utcnow()
-        session.execute(insert(MemoryHistory), [
+        session.execute(MemoryHistory.__table__.insert(), [
             {"memory_id": m.id, "tenant_id": m.tenant_id, "user_id": m.user_id, "agent_id": m.agent_id,
              "event": event, "old_memory": old, "new_memory": new, "actor": actor, "created_at": now}
             for m, old, new in changes])
         op = "delete" if event == "DELETE" else "upsert"
-        session.execute(insert(ChangeLogEntry), [
+        session.execute(ChangeLogEntry.__table__.insert(), [
             {"tenant_id": m.tenant_id, "memory_id": m.id, "op": op, "created_at": now} for m, _, _ in changes])
 
     # -- search ----------------------------------------------------------------------------
@@ -271,13 +277,17 @@ class VectorMemory:
             scored = [(i, s) for i, s in scored if s >= request.threshold]
         if not scored:
             return []
-        with Session(self.engine) as session:
-            # By primary key alone: with the tenant in the WHERE clause too, SQLite may walk the
-            # tenant's index instead. Tenant and expiry are checked on the rows.
-            found = session.exec(_readable().where(col(MemoryRecord.id).in_([i for i, _ in scored])))
+        # By primary key alone: with the tenant in the WHERE clause too, SQLite may walk the tenant's
+        # index instead. Tenant and expiry are checked on the rows. Plain rows, no ORM session: the
+        # session and the statement's construction cost more than the lookup itself.
+        with self.engine.connect() as connection:
+            found = connection.execute(_HIT_ROWS, {"ids": [i for i, _ in scored]})
             rows = {r.id: r for r in found if r.tenant_id == principal.tenant_id
                     and (r.expires_at is None or r.expires_at > now)}
-        return [ScoredMemory(**to_public(rows[i]).model_dump(), score=s) for i, s in scored if i in rows]
+        return [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
+                             metadata=r.meta, created_at=r.created_at, updated_at=r.updated_at,
+                             expires_at=r.expires_at, hash=r.hash, score=s)
+                for i, s in scored if (r := rows.get(i)) is not None]
 
     # -- read, update, delete --------------------------------------------------------------
     def _load(self, session: Session, principal: Principal, memory_id: str) -> MemoryRecord:
@@ -432,6 +442,13 @@ def _groups(items, size: int):
 
 def _numbers(text: str) -> list[str]:
     return sorted(_NUMBER.findall(text))
+
+
+_HIT_ROWS = select(
+    MemoryRecord.id, MemoryRecord.tenant_id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
+    MemoryRecord.text, col(MemoryRecord.meta).label("meta"), MemoryRecord.created_at, MemoryRecord.updated_at,
+    MemoryRecord.expires_at, MemoryRecord.hash,
+).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
 
 
 def _readable():

@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     embedding_quantize: Literal["none", "int8"] | None = None  # None: int8 on onnx, full precision on torch
     embedding_threads: int = Field(0, ge=0, le=256)  # parallel model calls; 0 = one per CPU
     model_dir: Path | None = None  # where the ONNX export is kept; default <data_dir>/models
-    embedding_batch_size: int = Field(64, ge=1, le=4096)
+    embedding_batch_size: int = Field(16, ge=1, le=4096)
     query_cache_size: int = Field(1024, ge=0)
 
     message_context_turns: int = Field(2, ge=0, le=20)

@@ -44,7 +44,7 @@ def _load_sentence_transformer(path: str, device: str):
 class Embedder:
     """Thread-safe. Returns L2-normalised float32 vectors (cosine = dot product)."""
 
-    def __init__(self, model: str = BUNDLED_MODEL, *, backend: str = "onnx", batch_size: int = 64,
+    def __init__(self, model: str = BUNDLED_MODEL, *, backend: str = "onnx", batch_size: int = 16,
                  cache_size: int = 1024, device: str = "cpu", model_dir: Path | None = None,
                  quantize: str | None = None, threads: int = 0):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,8 +79,7 @@ class Embedder:
         if len(texts) <= _MicroBatcher.SMALL:
             return self._batcher.encode(texts)
         # Batches of similar length waste less work on padding; the result keeps the input order.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        chunks = [order[start:start + self.batch_size] for start in range(0, len(texts), self.batch_size)]
+        chunks = _chunks(sorted(range(len(texts)), key=lambda i: len(texts[i])), texts, self.batch_size)
         encode = lambda chosen: self._encoder.encode([texts[i] for i in chosen])  # noqa: E731
         results = self._pool.map(encode, chunks) if self._pool and len(chunks) > 1 else map(encode, chunks)
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
@@ -95,7 +94,7 @@ class Embedder:
         if self._pool is None or len(texts) <= self.batch_size:
             yield from self.embed(texts)
             return
-        chunks = [texts[start:start + self.batch_size] for start in range(0, len(texts), self.batch_size)]
+        chunks = [[texts[i] for i in chosen] for chosen in _chunks(range(len(texts)), texts, self.batch_size)]
         pending = [self._pool.submit(self._encode_sorted, chunk) for chunk in chunks]
         try:
             for future in pending:
@@ -126,6 +125,31 @@ class Embedder:
         return vector
 
 
+# A model call pads its texts to the longest one; its activations grow with texts x tokens (and
+# ONNX Runtime keeps the largest call's memory for the next one). Calls are cut at ~CALL_CHARS
+# padded characters (~2k tokens): 64 short memories, or a handful of long messages with context.
+CALL_CHARS = 8192
+LONGEST_CHARS = 1500  # texts are truncated to the model's 256 tokens anyway
+
+
+def _chunks(order, texts: list[str], max_texts: int) -> list[list[int]]:
+    """Consecutive runs of `order` (indices into texts) for one model call each: at most
+    `max_texts` texts and about CALL_CHARS characters once padded to the run's longest text."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        size = min(len(texts[i]), LONGEST_CHARS)
+        if current and (len(current) >= max_texts or (len(current) + 1) * max(longest, size) > CALL_CHARS):
+            chunks.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, size)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def _dimension(model) -> int:
     getter = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
     return int(getter())
@@ -154,13 +178,13 @@ class _MicroBatcher:
     def _work(self) -> None:
         while True:
             batch = [self._queue.get()]
-            count = len(batch[0][0])
-            while count < self._max_texts:
+            count, longest = len(batch[0][0]), max(map(len, batch[0][0]))
+            while count < self._max_texts and count * longest < CALL_CHARS:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                count += len(batch[-1][0])
+                count, longest = count + len(batch[-1][0]), max(longest, *map(len, batch[-1][0]))
             try:
                 vectors = np.asarray(self._encode([t for texts, _ in batch for t in texts]), dtype=np.float32)
             except Exception as exc:  # hand the failure to every waiting caller

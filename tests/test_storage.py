@@ -256,3 +256,15 @@ def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others
         assert again.index.info().extra["path"] == str(settings.data_dir / "index")
     finally:
         again.close()
+
+
+def test_model_calls_are_cut_by_texts_and_by_padded_size():
+    from memory_server.embedding import CALL_CHARS, _chunks
+
+    texts = ["short memory"] * 100 + ["a long message with its conversation before it " * 20] * 30
+    chunks = _chunks(range(len(texts)), texts, 64)
+    assert [i for chunk in chunks for i in chunk] == list(range(len(texts)))  # every text once, in order
+    assert max(len(chunk) for chunk in chunks) == 64
+    long_chunks = [chunk for chunk in chunks if chunk[0] >= 100]
+    assert long_chunks and all(len(c) * min(len(texts[c[0]]), 1500) <= CALL_CHARS for c in long_chunks)
+    assert _chunks([], texts, 64) == []

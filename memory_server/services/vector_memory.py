@@ -180,16 +180,21 @@ class VectorMemory:
 
     def _exact_duplicates(self, session: Session, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
-        query = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
-                       MemoryRecord.hash, MemoryRecord.text).where(
-            MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_({text_hash(p.text) for p in planned}),
-            _alive(now))
-        users = {p.scope[0] for p in planned}
-        if None not in users:
-            # Common texts recur across users: without this, the rows fetched grew with the store
-            # (the largest part of a batch add's own work during a 1M fill).
-            query = query.where(col(MemoryRecord.user_id).in_(users))
-        return {((u, a, r), h): (i, t) for i, u, a, r, h, t in session.exec(query).all()}
+        found = session.exec(
+            select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash)
+            .where(MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_({text_hash(p.text) for p in planned}),
+                   _alive(now))
+        ).all()
+        # Common texts recur across users, so the rows with these hashes grow with the store: they are
+        # matched to the batch's scopes here, and only the matches' texts are read (fetching every
+        # text was the largest part of a batch add's own work at ~900k memories).
+        scopes = {p.scope for p in planned}
+        matches = {((u, a, r), h): i for i, u, a, r, h in found if (u, a, r) in scopes}
+        if not matches:
+            return {}
+        texts = dict(session.exec(select(MemoryRecord.id, MemoryRecord.text)
+                                  .where(col(MemoryRecord.id).in_(set(matches.values())))).all())
+        return {key: (i, texts[i]) for key, i in matches.items() if i in texts}
 
     def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:

@@ -127,7 +127,8 @@ class Embedder:
 
 # A model call pads its texts to the longest one; its activations grow with texts x tokens (and
 # ONNX Runtime keeps the largest call's memory for the next one). Calls are cut at ~CALL_CHARS
-# padded characters (~2k tokens): 64 short memories, or a handful of long messages with context.
+# padded characters (~2k tokens) as well as at the batch size: long messages with context go a
+# few to a call.
 CALL_CHARS = 8192
 LONGEST_CHARS = 1500  # texts are truncated to the model's 256 tokens anyway
 

@@ -190,10 +190,7 @@ class VectorMemory:
         # text was the largest part of a batch add's own work at ~900k memories).
         scopes = {p.scope for p in planned}
         matches = {((u, a, r), h): i for i, u, a, r, h in found if (u, a, r) in scopes}
-        if not matches:
-            return {}
-        texts = dict(session.exec(select(MemoryRecord.id, MemoryRecord.text)
-                                  .where(col(MemoryRecord.id).in_(set(matches.values())))).all())
+        texts = _texts(session, set(matches.values()))
         return {key: (i, texts[i]) for key, i in matches.items() if i in texts}
 
     def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
@@ -211,8 +208,7 @@ class VectorMemory:
         close = {i: [hit.id for hit in hits if hit.score >= threshold]
                  for i, hits in zip(wanted, self.index.search_batch(queries) if queries else [])}
         ids = {memory_id for found in close.values() for memory_id in found}
-        texts = dict(session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(ids))).all()
-                     ) if ids else {}
+        texts = _texts(session, ids)
         return [[(m, texts[m]) for m in close.get(i, ()) if m in texts] for i in range(len(group))]
 
     def _near_duplicate(self, text: str, vector: np.ndarray, added: list[tuple[np.ndarray, str, str]],
@@ -436,6 +432,13 @@ def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...
 
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def _texts(session: Session, ids: set[str]) -> dict[str, str]:
+    """{id: text} of the given memories (the ones that exist)."""
+    if not ids:
+        return {}
+    return dict(session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(ids))).all())
 
 
 def _groups(items, size: int):

@@ -1,6 +1,7 @@
 """Keeps a vector index in step with the SQL change log: ordered, idempotent, resumable."""
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -73,34 +74,43 @@ class IndexSync:
         if self.head() > self.index.applied_position():
             self.catch_up()
 
-    def catch_up(self) -> int:
-        """Apply everything committed so far; returns how many entries were applied."""
+    def catch_up(self, prepared: dict[str, IndexPoint] | None = None) -> int:
+        """Apply everything committed so far; returns how many entries were applied. `prepared`:
+        points a writer built from the rows it has just committed (see _apply)."""
         applied = 0
         with self._lock:
             while True:
                 position = self.index.applied_position()
                 with Session(self.engine) as session:
                     entries = session.exec(
-                        select(ChangeLogEntry)
+                        select(ChangeLogEntry.position, ChangeLogEntry.memory_id)
                         .where(ChangeLogEntry.position > position)
                         .order_by(ChangeLogEntry.position)
                         .limit(self.batch_size)
                     ).all()
                     if not entries:
                         return applied
-                    self._apply(session, [e.memory_id for e in entries])
-                self.index.set_applied_position(entries[-1].position)
+                    self._apply(session, [memory_id for _, memory_id in entries], prepared or {})
+                self.index.set_applied_position(entries[-1][0])
                 applied += len(entries)
                 self.applied_since_optimize += len(entries)
 
-    def _apply(self, session: Session, memory_ids: list[str]) -> None:
+    def _apply(self, session: Session, memory_ids: list[str], prepared: dict[str, IndexPoint]) -> None:
         # Entries only name what changed; the row as it is now is the truth. A row that is gone
         # is deleted from the index, so replay can never resurrect a deleted memory.
-        wanted = list(dict.fromkeys(memory_ids))
+        counts = Counter(memory_ids)
+        wanted = list(counts)
+        # A batch add builds its new memories' points while the model is still embedding, and its
+        # apply skips reading them back: a new memory's one entry is that add's own, so its row is
+        # as the add wrote it. Any later change has an entry of its own, applied after this one.
+        ready = {i: prepared[i] for i in wanted if counts[i] == 1 and i in prepared}
         # Plain rows of the columns a point needs: building ORM objects cost more than the index upsert.
-        rows = {r.id: r for r in session.exec(select(*POINT_COLUMNS).where(col(MemoryRecord.id).in_(wanted)))}
-        self.index.upsert([point_for(rows[i], self.sparse) for i in wanted if i in rows])
-        self.index.delete([i for i in wanted if i not in rows])
+        read = [i for i in wanted if i not in ready]
+        rows = {r.id: r for r in session.exec(select(*POINT_COLUMNS).where(col(MemoryRecord.id).in_(read)))} \
+            if read else {}
+        self.index.upsert([ready[i] if i in ready else point_for(rows[i], self.sparse)
+                           for i in wanted if i in ready or i in rows])
+        self.index.delete([i for i in read if i not in rows])
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None, *, reembed=None) -> int:
         """Rebuild the index from SQL alone. Stored embeddings are used as they are, unless `reembed`

@@ -29,9 +29,9 @@ from memory_server.schemas import (
     UpdateRequest,
 )
 from memory_server.services.filters import bounds_scope, parse_filters, restrict
-from memory_server.services.index_sync import IndexSync
+from memory_server.services.index_sync import IndexSync, point_for
 from memory_server.storage.db import lock_change_log
-from memory_server.storage.vectors import IndexQuery, VectorIndex
+from memory_server.storage.vectors import IndexPoint, IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
 
@@ -74,10 +74,10 @@ class VectorMemory:
         self.sync = sync
         self.sparse = sparse
 
-    def _publish(self) -> None:
+    def _publish(self, prepared: dict[str, IndexPoint] | None = None) -> None:
         """Apply the committed change to the index before answering (read-your-writes)."""
         try:
-            self.sync.catch_up()
+            self.sync.catch_up(prepared)
         except Exception as exc:
             log.exception("vector index apply failed")
             raise Unavailable("the change is saved, but the vector index could not apply it yet; "
@@ -118,6 +118,7 @@ class VectorMemory:
             existing = self._exact_duplicates(session, principal.tenant_id, planned, now)
             added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
             rows: list[dict] = []
+            prepared: dict[str, IndexPoint] = {}  # index points, built while the model embeds the rest
             for group in _groups(zip(planned, vectors), self.embedder.batch_size):
                 stored = self._stored_near_duplicates(session, principal, group, existing, now)
                 for (planned_memory, vector), candidates in zip(group, stored):
@@ -135,6 +136,7 @@ class VectorMemory:
                                  "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
                                  "hash": digest, "metadata": metadata, "embedding": vector.tobytes(), "created_at": now,
                                  "updated_at": now, "expires_at": expires_at})
+                    prepared[memory_id] = point_for(SimpleNamespace(**rows[-1], meta=metadata), self.sparse)
                     existing[(scope, digest)] = (memory_id, text)
                     added.setdefault(scope, []).append((vector, memory_id, text))
                     results.append(AddResult(id=memory_id, memory=text, event="ADD"))
@@ -143,7 +145,7 @@ class VectorMemory:
                 session.execute(MemoryRecord.__table__.insert(), rows)
                 self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD", principal.key_id)
             session.commit()
-        self._publish()
+        self._publish(prepared)
         return AddResponse(results=results, warnings=warnings)
 
     def _texts_of(self, item: AddRequest, prefix: str) -> list[tuple[str, dict, str | None]]:

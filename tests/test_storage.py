@@ -1,5 +1,8 @@
 """Storage behaviour on SQLite and PostgreSQL: restart, reindex, crash repair, change-log replay."""
 
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from sqlmodel import Session, select
@@ -8,6 +11,7 @@ from conftest import MODEL_DIR, make_settings
 from memory_server.errors import NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord
 from memory_server.runtime import Runtime
+from memory_server.services.index_sync import point_for
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
 FACTS = [
@@ -108,6 +112,45 @@ def test_replaying_the_whole_log_is_idempotent(runtime, admin):
     assert runtime.sync.catch_up() == runtime.sync.head()
     assert answers(runtime, admin) == before
     assert runtime.index.info().points == len(FACTS) - 1
+
+
+def test_points_built_by_a_batch_add_equal_the_ones_read_from_sql(runtime, admin):
+    # A batch add hands its own points to the index instead of reading its rows back; replaying
+    # the log from SQL must give the very same index: scores, payload filters, expiry.
+    later = datetime.now(timezone.utc) + timedelta(days=3)
+    runtime.memories.add_batch(admin, [
+        AddRequest(text=t, user_id="quinn", metadata={"n": i, "pinned": i % 2 == 0, "tags": ["a", f"t{i}"]},
+                   expires_at=later if i == 3 else None) for i, t in enumerate(FACTS)])
+    filters = [{"user_id": "quinn"}, {"AND": [{"user_id": "quinn"}, {"metadata.pinned": True}]},
+               {"AND": [{"user_id": "quinn"}, {"metadata.n": {"gte": 2}}]}, {"AND": [{"user_id": "quinn"}, {"metadata.tags": {"in": ["t4"]}}]}]
+
+    def everything():
+        return [[(h.id, round(h.score, 4), h.expires_at) for h in runtime.memories.search(
+            admin, SearchRequest(query=q, filters=f, mode=m))]
+            for q in QUERIES for f in filters for m in ("dense", "keyword", "hybrid")]
+
+    before = everything()
+    assert all(before[3 * f] for f in range(len(filters)))  # every filter matches something (dense, first query)
+    runtime.index.set_applied_position(0)
+    runtime.sync.catch_up()
+    assert everything() == before
+
+
+def test_a_prepared_point_never_hides_a_later_change(runtime, admin):
+    ids = fill(runtime, admin)
+    runtime.memories.update(admin, ids[0], UpdateRequest(text="Quinn eats fish now"))
+    stale = point_for(SimpleNamespace(id=ids[0], tenant_id=admin.tenant_id, user_id="quinn", agent_id=None,
+                                      run_id=None, text=FACTS[0], meta={}, expires_at=None,
+                                      embedding=runtime.embedder.embed([FACTS[0]])[0].tobytes(),
+                                      created_at=datetime.now(timezone.utc), updated_at=datetime.now(timezone.utc)),
+                      runtime.sync.sparse)
+    runtime.index.set_applied_position(0)
+    # ids[0] has two log entries (add, update): its row as it is now wins over the point built at add time.
+    runtime.sync.catch_up({ids[0]: stale})
+    found = runtime.memories.search(admin, SearchRequest(query="vegetarian", filters={"user_id": "quinn"}, mode="keyword"))
+    assert found == []
+    found = runtime.memories.search(admin, SearchRequest(query="fish", filters={"user_id": "quinn"}, mode="keyword"))
+    assert [h.id for h in found] == [ids[0]]
 
 
 def test_one_transaction_writes_row_embedding_and_log_entry(runtime, admin):

@@ -5,8 +5,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
-from sqlalchemy import func
-from sqlalchemy.engine import Engine
+from sqlalchemy import bindparam, func
+from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
 from memory_server.errors import StartupError
@@ -50,6 +50,10 @@ POINT_COLUMNS = (MemoryRecord.id, MemoryRecord.tenant_id, MemoryRecord.user_id, 
 
 
 _HEAD = select(func.max(ChangeLogEntry.position))
+_ENTRIES = (select(ChangeLogEntry.position, ChangeLogEntry.memory_id)
+            .where(ChangeLogEntry.position > bindparam("after")).order_by(ChangeLogEntry.position)
+            .limit(bindparam("limit")))
+_POINT_ROWS = select(*POINT_COLUMNS).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
 
 
 class IndexSync:
@@ -81,21 +85,16 @@ class IndexSync:
         with self._lock:
             while True:
                 position = self.index.applied_position()
-                with Session(self.engine) as session:
-                    entries = session.exec(
-                        select(ChangeLogEntry.position, ChangeLogEntry.memory_id)
-                        .where(ChangeLogEntry.position > position)
-                        .order_by(ChangeLogEntry.position)
-                        .limit(self.batch_size)
-                    ).all()
+                with self.engine.connect() as connection:
+                    entries = connection.execute(_ENTRIES, {"after": position, "limit": self.batch_size}).all()
                     if not entries:
                         return applied
-                    self._apply(session, [memory_id for _, memory_id in entries], prepared or {})
+                    self._apply(connection, [memory_id for _, memory_id in entries], prepared or {})
                 self.index.set_applied_position(entries[-1][0])
                 applied += len(entries)
                 self.applied_since_optimize += len(entries)
 
-    def _apply(self, session: Session, memory_ids: list[str], prepared: dict[str, IndexPoint]) -> None:
+    def _apply(self, connection: Connection, memory_ids: list[str], prepared: dict[str, IndexPoint]) -> None:
         # Entries only name what changed; the row as it is now is the truth. A row that is gone
         # is deleted from the index, so replay can never resurrect a deleted memory.
         counts = Counter(memory_ids)
@@ -106,8 +105,7 @@ class IndexSync:
         ready = {i: prepared[i] for i in wanted if counts[i] == 1 and i in prepared}
         # Plain rows of the columns a point needs: building ORM objects cost more than the index upsert.
         read = [i for i in wanted if i not in ready]
-        rows = {r.id: r for r in session.exec(select(*POINT_COLUMNS).where(col(MemoryRecord.id).in_(read)))} \
-            if read else {}
+        rows = {r.id: r for r in connection.execute(_POINT_ROWS, {"ids": read})} if read else {}
         self.index.upsert([ready[i] if i in ready else point_for(rows[i], self.sparse)
                            for i in wanted if i in ready or i in rows])
         self.index.delete([i for i in read if i not in rows])

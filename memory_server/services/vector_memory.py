@@ -182,11 +182,8 @@ class VectorMemory:
 
     def _exact_duplicates(self, session: Session, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
-        found = session.exec(
-            select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash)
-            .where(MemoryRecord.tenant_id == tenant_id, col(MemoryRecord.hash).in_({text_hash(p.text) for p in planned}),
-                   _alive(now))
-        ).all()
+        found = session.execute(_SAME_HASH, {"tenant": tenant_id, "hashes": sorted({text_hash(p.text) for p in planned}),
+                                             "now": now}).all()
         # Common texts recur across users, so the rows with these hashes grow with the store: they are
         # matched to the batch's scopes here, and only the matches' texts are read (fetching every
         # text was the largest part of a batch add's own work at ~900k memories).
@@ -440,7 +437,7 @@ def _texts(session: Session, ids: set[str]) -> dict[str, str]:
     """{id: text} of the given memories (the ones that exist)."""
     if not ids:
         return {}
-    return dict(session.exec(select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(ids))).all())
+    return dict(session.execute(_TEXTS, {"ids": sorted(ids)}).all())
 
 
 def _groups(items, size: int):
@@ -459,6 +456,15 @@ _HIT_ROWS = select(
     MemoryRecord.text, col(MemoryRecord.meta).label("meta"), MemoryRecord.created_at, MemoryRecord.updated_at,
     MemoryRecord.expires_at, MemoryRecord.hash,
 ).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
+
+
+# Statements the add path runs on every request, built once: building a select costs more than
+# SQLite takes to run it.
+_SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
+                    MemoryRecord.hash).where(
+    MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)),
+    func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type))
+_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
 
 
 def _readable():

@@ -4,6 +4,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -38,6 +39,8 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Request handlers run in anyio's thread pool; its size bounds how many share the GIL at once.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
         runtime = Runtime.open(settings, embedder=embedder, background=True)
         key_file = ensure_bootstrap_key(runtime.engine, settings.data_dir)
         if key_file is not None:

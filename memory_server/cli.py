@@ -55,13 +55,18 @@ def serve(
                       MEMORY_SERVER_PORT=str(settings.port))
     if not settings.embedding_threads:
         os.environ["MEMORY_SERVER_EMBEDDING_THREADS"] = str(max(1, (os.cpu_count() or 1) // settings.workers))
-    _bootstrap(settings)  # once, before the workers race for it
+    _bootstrap(settings)  # once, before the workers race for it (the key, the model files)
     uvicorn.run("memory_server.app:create_app", factory=True, workers=settings.workers, **options)
 
 
 def _bootstrap(settings: Settings) -> None:
     from memory_server.runtime import ensure_bootstrap_key, open_database
 
+    if settings.embedding_backend == "onnx":
+        from memory_server.embedding import onnx_model_files, resolve_model_path
+
+        onnx_model_files(resolve_model_path(settings.embedding_model), settings.resolved_model_dir,
+                         settings.embedding_quantize or "int8")
     engine = open_database(settings)
     try:
         key_file = ensure_bootstrap_key(engine, settings.data_dir)

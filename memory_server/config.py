@@ -46,12 +46,17 @@ class Settings(BaseSettings):
     sync_interval_seconds: float = Field(1.0, gt=0)
     index_optimize_every: int = Field(20000, ge=100)
     index_search_threads: int = Field(1, ge=0, le=256)  # Qdrant Edge search pool; 0 = one per CPU
+    request_threads: int = Field(12, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
     log_level: str = "INFO"
 
     @field_validator("data_dir")
     @classmethod
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @property
+    def resolved_model_dir(self) -> Path:
+        return self.model_dir or self.data_dir / "models"
 
     @property
     def resolved_database_url(self) -> str:

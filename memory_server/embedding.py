@@ -221,14 +221,8 @@ class _OnnxEncoder:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(path)
-        fingerprint = hashlib.sha256(str(Path(path).resolve() if Path(path).exists() else path).encode()).hexdigest()[:12]
-        onnx_file = model_dir / f"{Path(path).name}-{fingerprint}.onnx"
-        meta_file = onnx_file.with_suffix(".meta")
-        if not onnx_file.exists() or not meta_file.exists():
-            self._export(path, onnx_file, meta_file)
+        onnx_file, meta_file = onnx_model_files(path, model_dir, quantize)
         self.dimension, self._max_length = (int(v) for v in meta_file.read_text().split())
-        if quantize == "int8":
-            onnx_file = _quantized(onnx_file)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         # One thread per call (calls run side by side, see Embedder.workers), and no idle spinning:
@@ -239,37 +233,52 @@ class _OnnxEncoder:
         self._session = onnxruntime.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
         self._inputs = [i.name for i in self._session.get_inputs()]
 
-    def _export(self, path: str, onnx_file: Path, meta_file: Path) -> None:
-        import torch
-
-        model = _load_sentence_transformer(path, "cpu").eval()
-        sample = self._tokenizer(["an example sentence", "another one"], padding=True, return_tensors="pt")
-        names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in sample]
-
-        class Pipeline(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
-
-            def forward(self, *tensors):
-                features = dict(zip(names, tensors))
-                embedding = self.model(features)["sentence_embedding"]
-                return torch.nn.functional.normalize(embedding, p=2, dim=1)
-
-        onnx_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = onnx_file.with_suffix(f".{os.getpid()}.tmp")
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # tracer chatter about shapes; the graph is checked by tests
-            torch.onnx.export(Pipeline(), tuple(sample[n] for n in names), str(partial), input_names=names,
-                              output_names=["embedding"], opset_version=17, dynamo=False,
-                              dynamic_axes={n: {0: "batch", 1: "tokens"} for n in names})
-        os.replace(partial, onnx_file)
-        meta_file.write_text(f"{_dimension(model)} {model.max_seq_length}")
-
     def encode(self, texts: list[str]) -> np.ndarray:
         encoded = self._tokenizer(texts, padding=True, truncation=True, max_length=self._max_length, return_tensors="np")
         feeds = {name: encoded[name].astype(np.int64) for name in self._inputs}
         return self._session.run(None, feeds)[0]
+
+
+def onnx_model_files(path: str, model_dir: Path, quantize: str = "none") -> tuple[Path, Path]:
+    """(model file, meta file) for the onnx backend: exported from the sentence-transformers model
+    (and quantised) on first use into `model_dir`, reused on every later start. `serve --workers N`
+    calls it once before starting the workers, so that they do not all export at once (a worker
+    busy exporting misses uvicorn's liveness pings and is restarted)."""
+    fingerprint = hashlib.sha256(str(Path(path).resolve() if Path(path).exists() else path).encode()).hexdigest()[:12]
+    onnx_file = model_dir / f"{Path(path).name}-{fingerprint}.onnx"
+    meta_file = onnx_file.with_suffix(".meta")
+    if not onnx_file.exists() or not meta_file.exists():
+        _export(path, onnx_file, meta_file)
+    return (_quantized(onnx_file) if quantize == "int8" else onnx_file), meta_file
+
+
+def _export(path: str, onnx_file: Path, meta_file: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    model = _load_sentence_transformer(path, "cpu").eval()
+    sample = AutoTokenizer.from_pretrained(path)(["an example sentence", "another one"], padding=True, return_tensors="pt")
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in sample]
+
+    class Pipeline(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *tensors):
+            features = dict(zip(names, tensors))
+            embedding = self.model(features)["sentence_embedding"]
+            return torch.nn.functional.normalize(embedding, p=2, dim=1)
+
+    onnx_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = onnx_file.with_suffix(f".{os.getpid()}.tmp")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer chatter about shapes; the graph is checked by tests
+        torch.onnx.export(Pipeline(), tuple(sample[n] for n in names), str(partial), input_names=names,
+                          output_names=["embedding"], opset_version=17, dynamo=False,
+                          dynamic_axes={n: {0: "batch", 1: "tokens"} for n in names})
+    os.replace(partial, onnx_file)
+    meta_file.write_text(f"{_dimension(model)} {model.max_seq_length}")
 
 
 def _quantized(onnx_file: Path) -> Path:

@@ -83,7 +83,7 @@ class Runtime:
         embedder = embedder or Embedder(settings.embedding_model, backend=settings.embedding_backend,
                                         batch_size=settings.embedding_batch_size,
                                         cache_size=settings.query_cache_size, device=settings.embedding_device,
-                                        model_dir=settings.model_dir or settings.data_dir / "models",
+                                        model_dir=settings.resolved_model_dir,
                                         quantize=settings.embedding_quantize, threads=settings.embedding_threads)
         index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
         sparse = SparseEncoder()

@@ -183,3 +183,28 @@ def test_serve_with_workers_answers_every_write_from_whichever_process(tmp_path)
     keys = run_cli("keys", "list", data_dir=data_dir).stdout.strip().splitlines()
     assert len(keys) == 2  # header + one bootstrap key, though two workers started
     assert log_path.read_text().count("created the bootstrap admin key") == 1
+
+
+def test_serve_with_workers_prepares_the_model_once_before_starting_them(tmp_path, monkeypatch):
+    # A worker busy making the model files misses uvicorn's liveness pings and is restarted
+    # mid-request; `serve --workers N` makes them first. The fp32 export is copied from the test
+    # cache (exporting takes torch ~20 s); the int8 copy has to be made here.
+    import shutil
+
+    from conftest import MODEL_DIR
+
+    models = tmp_path / "models"
+    models.mkdir()
+    for made in MODEL_DIR.glob("*"):
+        if made.suffix in (".onnx", ".meta") and not made.name.endswith("-int8-per-token.onnx"):
+            shutil.copy(made, models / made.name)
+    monkeypatch.setenv("MEMORY_SERVER_MODEL_DIR", str(models))
+    with serving(tmp_path, "--workers", "2") as (url, data_dir, log_path):
+        key = (data_dir / "bootstrap-admin.key").read_text().strip()
+        for i in range(6):
+            response = httpx.post(f"{url}/v1/memories", headers={"Authorization": f"Bearer {key}"},
+                                  json={"text": f"Ravi parks in bay {i}", "user_id": "ravi"})
+            assert response.status_code == 200, response.text
+        log = log_path.read_text()
+    assert len(list(models.glob("*-int8-per-token.onnx"))) == 1 and not list(models.glob("*.tmp"))
+    assert "died" not in log and log.count("Started server process") == 2, log

@@ -52,7 +52,8 @@ class MemoryRecord(SQLModel, table=True):
         Index("ix_memories_scope", "tenant_id", "user_id", "agent_id", "run_id"),
         Index("ix_memories_listing", "tenant_id", "created_at", "id"),
         Index("ix_memories_user_listing", "tenant_id", "user_id", "created_at", "id"),
-        Index("ix_memories_hash", "tenant_id", "hash"),
+        # The scope is in the index so that the exact-duplicate check of an add reads the index alone.
+        Index("ix_memories_hash_scope", "tenant_id", "hash", "user_id", "agent_id", "run_id"),
     )
 
     id: str = Field(primary_key=True, max_length=36)

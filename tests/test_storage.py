@@ -311,3 +311,23 @@ def test_model_calls_are_cut_by_texts_and_by_padded_size():
     long_chunks = [chunk for chunk in chunks if chunk[0] >= 100]
     assert long_chunks and all(len(c) * min(len(texts[c[0]]), 1500) <= CALL_CHARS for c in long_chunks)
     assert _chunks([], texts, 64) == []
+
+
+def test_schema_check_adds_new_indexes_and_drops_superseded_ones(settings):
+    # Databases made by an earlier version get the indexes added since, and lose the ones replaced.
+    from sqlalchemy import inspect, text
+
+    from memory_server.runtime import open_database
+    from memory_server.storage.db import SUPERSEDED_INDEXES, create_schema
+
+    engine = open_database(settings)
+    try:
+        with engine.begin() as connection:  # as the previous version left it
+            connection.execute(text("DROP INDEX ix_memories_hash_scope"))
+            connection.execute(text("CREATE INDEX ix_memories_hash ON memories (tenant_id, hash)"))
+        create_schema(engine)
+        create_schema(engine)  # and again: nothing left to do
+        names = {i["name"] for i in inspect(engine).get_indexes("memories")}
+        assert "ix_memories_hash_scope" in names and not names & set(SUPERSEDED_INDEXES)
+    finally:
+        engine.dispose()

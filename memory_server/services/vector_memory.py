@@ -182,15 +182,18 @@ class VectorMemory:
 
     def _exact_duplicates(self, session: Session, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
-        found = session.execute(_SAME_HASH, {"tenant": tenant_id, "hashes": sorted({text_hash(p.text) for p in planned}),
-                                             "now": now}).all()
-        # Common texts recur across users, so the rows with these hashes grow with the store: they are
-        # matched to the batch's scopes here, and only the matches' texts are read (fetching every
-        # text was the largest part of a batch add's own work at ~900k memories).
+        hashes = sorted({text_hash(p.text) for p in planned})
+        # Common texts recur across users, so the rows with these hashes grow with the store. The
+        # first query reads only the hash index (it holds the scope), and the rows themselves are
+        # read only for hashes found in the batch's own scopes: reading every matching row (with its
+        # 1.5 KB embedding beside it) was a quarter of a batch add's own work at ~500k memories.
         scopes = {p.scope for p in planned}
-        matches = {((u, a, r), h): i for i, u, a, r, h in found if (u, a, r) in scopes}
-        texts = _texts(session, set(matches.values()))
-        return {key: (i, texts[i]) for key, i in matches.items() if i in texts}
+        wanted = {((u, a, r), h) for u, a, r, h in session.execute(_HASH_SCOPES, {"tenant": tenant_id, "hashes": hashes})
+                  if (u, a, r) in scopes}
+        if not wanted:
+            return {}
+        found = session.execute(_SAME_HASH, {"tenant": tenant_id, "hashes": sorted({h for _, h in wanted}), "now": now})
+        return {((u, a, r), h): (i, text) for i, u, a, r, h, text in found if ((u, a, r), h) in wanted}
 
     def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
@@ -460,8 +463,10 @@ _HIT_ROWS = select(
 
 # Statements the add path runs on every request, built once: building a select costs more than
 # SQLite takes to run it.
+_HASH_SCOPES = select(MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash).where(
+    MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)))
 _SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
-                    MemoryRecord.hash).where(
+                    MemoryRecord.hash, MemoryRecord.text).where(
     MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)),
     func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type))
 _TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))

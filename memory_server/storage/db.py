@@ -1,10 +1,15 @@
 """The SQL engine: SQLite in the data directory by default, any SQLAlchemy URL otherwise."""
 
-from sqlalchemy import event, text
+import logging
+
+from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.schema import CreateIndex
 from sqlmodel import Session, SQLModel, create_engine
 
 from memory_server import models  # noqa: F401  (registers the tables)
+
+log = logging.getLogger("memory_server")
 
 # Serialises change-log appends on PostgreSQL so positions become visible in order.
 CHANGE_LOG_LOCK_ID = 0x6D656D6F
@@ -32,8 +37,26 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
+# Indexes of earlier versions that a current one replaces: dropped when the schema is checked.
+SUPERSEDED_INDEXES = ("ix_memories_hash",)
+
+
 def create_schema(engine: Engine) -> None:
+    """Create missing tables, and missing indexes of existing tables (so that an index added in a
+    later version reaches databases made before it); drop superseded indexes. Safe to run from
+    several processes at once."""
     SQLModel.metadata.create_all(engine)
+    inspector = inspect(engine)
+    existing = {name for table in inspector.get_table_names() for name in (i["name"] for i in inspector.get_indexes(table))}
+    with engine.begin() as connection:
+        for table in SQLModel.metadata.sorted_tables:
+            for index in table.indexes:
+                if index.name not in existing:
+                    log.info("creating index %s (once; a large table takes a while)", index.name)
+                    connection.execute(CreateIndex(index, if_not_exists=True))
+        for name in SUPERSEDED_INDEXES:
+            if name in existing:
+                connection.execute(text(f"DROP INDEX IF EXISTS {name}"))
 
 
 def lock_change_log(session: Session) -> None:

@@ -319,3 +319,16 @@ def test_boolean_metadata_filters_match_on_every_backend(server):
         assert [r["memory"] for r in vip] == ["Rex is a premium customer"]
         assert [r["memory"] for r in not_vip] == ["Rex asked about shipping costs"]
         assert vip[0]["metadata"] == {"vip": True}  # stored and returned as JSON booleans
+
+
+def test_an_expired_memory_is_no_duplicate_of_a_new_one(runtime, admin):
+    # No maintenance thread here, so the expired memory is still in the database and the index.
+    from memory_server.schemas import AddRequest
+
+    soon = datetime.now(timezone.utc) + timedelta(seconds=1)
+    old = runtime.memories.add(admin, AddRequest(text="Jude lives in Lagos, Nigeria.", user_id="jude", expires_at=soon))
+    time.sleep(1.2)
+    exact = runtime.memories.add(admin, AddRequest(text="Jude lives in Lagos, Nigeria.", user_id="jude")).results[0]
+    near = runtime.memories.add(admin, AddRequest(text="Jude lives in Lagos, Nigeria", user_id="jude")).results[0]
+    assert exact.event == "ADD" and exact.id != old.results[0].id
+    assert near.event == "NOOP" and near.id == exact.id  # a near duplicate of the live one only

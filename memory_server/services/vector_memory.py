@@ -50,6 +50,7 @@ class Planned(NamedTuple):
     context: str | None
 
 
+NEAR_CANDIDATES = 8  # closest memories of the scope compared for near-duplicates (expired ones included)
 TIE_MARGIN = 8  # extra hits fetched so that ties at the top_k boundary are cut deterministically
 INFER_WARNING = "infer=true is not available yet: each message was stored as-is (infer=false)"
 
@@ -199,18 +200,19 @@ class VectorMemory:
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
         """For each planned memory of a group: the stored memories of its scope that it comes close
         to (cosine >= the dedup threshold), as (id, text), closest first. One batched index query
-        and one SQL query for the whole group."""
+        and one SQL query for the whole group. Expiry is checked on the close candidates' rows, not in
+        the index query: every condition there is checked on each of the scope's points, and the
+        expiry range made a query ~35% dearer (0.38 vs 0.28 ms at 200k memories)."""
         threshold = self.settings.dedup_threshold
         wanted = [i for i, (p, _) in enumerate(group) if not p.context and (p.scope, text_hash(p.text)) not in existing]
-        queries = [IndexQuery(mode="dense", limit=5, dense=group[i][1].tolist(), filter=All((
+        queries = [IndexQuery(mode="dense", limit=NEAR_CANDIDATES, dense=group[i][1].tolist(), filter=All((
             Field("tenant", "eq", principal.tenant_id),
             *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), group[i][0].scope)),
-            Field("expires_at", "gt", now.timestamp()),
         ))) for i in wanted]
         close = {i: [hit.id for hit in hits if hit.score >= threshold]
                  for i, hits in zip(wanted, self.index.search_batch(queries) if queries else [])}
         ids = {memory_id for found in close.values() for memory_id in found}
-        texts = _texts(session, ids)
+        texts = _live_texts(session, ids, now)
         return [[(m, texts[m]) for m in close.get(i, ()) if m in texts] for i in range(len(group))]
 
     def _near_duplicate(self, text: str, vector: np.ndarray, added: list[tuple[np.ndarray, str, str]],
@@ -436,11 +438,11 @@ def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
-def _texts(session: Session, ids: set[str]) -> dict[str, str]:
-    """{id: text} of the given memories (the ones that exist)."""
+def _live_texts(session: Session, ids: set[str], now: datetime) -> dict[str, str]:
+    """{id: text} of the given memories (the ones that exist and have not expired)."""
     if not ids:
         return {}
-    return dict(session.execute(_TEXTS, {"ids": sorted(ids)}).all())
+    return dict(session.execute(_LIVE_TEXTS, {"ids": sorted(ids), "now": now}).all())
 
 
 def _groups(items, size: int):
@@ -463,13 +465,16 @@ _HIT_ROWS = select(
 
 # Statements the add path runs on every request, built once: building a select costs more than
 # SQLite takes to run it.
+_ALIVE_AT_NOW = func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type)
 _HASH_SCOPES = select(MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash).where(
     MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)))
 _SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
                     MemoryRecord.hash, MemoryRecord.text).where(
     MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)),
-    func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type))
-_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
+    _ALIVE_AT_NOW)
+_LIVE_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(
+    col(MemoryRecord.id).in_(bindparam("ids", expanding=True)),
+    _ALIVE_AT_NOW)
 
 
 def _readable():

@@ -464,7 +464,7 @@ _HIT_ROWS = select(
 
 
 # Statements the add path runs on every request, built once: building a select costs more than
-# SQLite takes to run it.
+# SQLite takes to run it. _ALIVE_AT_NOW is _alive() with `now` bound when the statement runs.
 _ALIVE_AT_NOW = func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type)
 _HASH_SCOPES = select(MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash).where(
     MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)))

@@ -63,10 +63,10 @@ def _bootstrap(settings: Settings) -> None:
     from memory_server.runtime import ensure_bootstrap_key, open_database
 
     if settings.embedding_backend == "onnx":
-        from memory_server.embedding import onnx_model_files, resolve_model_path
+        from memory_server.embedding import default_quantize, onnx_model_files, resolve_model_path
 
         onnx_model_files(resolve_model_path(settings.embedding_model), settings.resolved_model_dir,
-                         settings.embedding_quantize or "int8")
+                         settings.embedding_quantize or default_quantize("onnx"))
     engine = open_database(settings)
     try:
         key_file = ensure_bootstrap_key(engine, settings.data_dir)

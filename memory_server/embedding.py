@@ -35,6 +35,11 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def default_quantize(backend: str) -> str:
+    """int8 on the onnx backend, full precision on torch."""
+    return "int8" if backend == "onnx" else "none"
+
+
 def _load_sentence_transformer(path: str, device: str):
     from sentence_transformers import SentenceTransformer
 
@@ -49,7 +54,7 @@ class Embedder:
                  quantize: str | None = None, threads: int = 0):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        quantize = quantize or ("int8" if backend == "onnx" else "none")
+        quantize = quantize or default_quantize(backend)
         if quantize not in ("none", "int8") or (quantize != "none" and backend != "onnx"):
             raise StartupError(f"embedding quantization '{quantize}' is not available with the {backend} backend; "
                                "use the onnx backend or MEMORY_SERVER_EMBEDDING_QUANTIZE=none")
@@ -96,9 +101,9 @@ class Embedder:
         if self._pool is None or len(texts) <= self.batch_size:
             yield from self.embed(texts)
             return
-        windows = []
-        for start in range(0, len(texts), self.batch_size * AHEAD_WINDOW):
-            window = range(start, min(start + self.batch_size * AHEAD_WINDOW, len(texts)))
+        windows, size = [], self.batch_size * AHEAD_WINDOW
+        for start in range(0, len(texts), size):
+            window = range(start, min(start + size, len(texts)))
             chunks = _chunks(sorted(window, key=lambda i: len(texts[i])), texts, self.batch_size)
             windows.append((window, [(chosen, self._pool.submit(self._encoder.encode, [texts[i] for i in chosen]))
                                      for chosen in chunks]))

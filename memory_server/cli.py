@@ -56,7 +56,20 @@ def serve(
     if not settings.embedding_threads:
         os.environ["MEMORY_SERVER_EMBEDDING_THREADS"] = str(max(1, (os.cpu_count() or 1) // settings.workers))
     _bootstrap(settings)  # once, before the workers race for it (the key, the model files)
-    uvicorn.run("memory_server.app:create_app", factory=True, workers=settings.workers, **options)
+    from memory_server import workers as worker_processes
+
+    if not worker_processes.spreads_connections():
+        uvicorn.run("memory_server.app:create_app", factory=True, workers=settings.workers, **options)
+        return
+    from memory_server.errors import StartupError
+
+    del options["host"], options["port"]
+    try:
+        status = worker_processes.run(settings.workers, settings.host, settings.port, options)
+    except StartupError as exc:
+        console.print(f"error: {exc}")
+        raise typer.Exit(2) from None
+    raise typer.Exit(status)
 
 
 def _bootstrap(settings: Settings) -> None:

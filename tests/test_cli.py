@@ -185,6 +185,101 @@ def test_serve_with_workers_answers_every_write_from_whichever_process(tmp_path)
     assert log_path.read_text().count("created the bootstrap admin key") == 1
 
 
+def _tcp_sockets(port: int) -> dict[int, dict[str, int]]:
+    """{pid: {"listening": n, "established": n}}: the server-side TCP sockets on `port` of each
+    process (Linux /proc), to see which worker holds which connection."""
+    states = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in ("0A", "01"):
+                states[fields[9]] = "listening" if fields[3] == "0A" else "established"
+    found: dict[int, dict[str, int]] = {}
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            links = [os.readlink(fd) for fd in fd_dir.iterdir()]
+        except OSError:
+            continue
+        for link in links:
+            state = states.get(link[len("socket:["):-1]) if link.startswith("socket:[") else None
+            if state:
+                counts = found.setdefault(int(fd_dir.parent.name), {"listening": 0, "established": 0})
+                counts[state] += 1
+    return found
+
+
+def _open_connections(url: str, count: int) -> list[socket.socket]:
+    """`count` keep-alive connections opened at once, as a client pool does, each answered once."""
+    host, port = url.rsplit("//", 1)[1].split(":")
+    connections = [socket.create_connection((host, int(port))) for _ in range(count)]
+    for c in connections:
+        c.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+    for c in connections:
+        assert c.recv(4096).startswith(b"HTTP/1.1 200")
+    return connections
+
+
+def _workers_listening(port: int, count: int, timeout: float = 90) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        listening = sorted(pid for pid, n in _tcp_sockets(port).items() if n["listening"])
+        if len(listening) == count:
+            return listening
+        time.sleep(0.3)
+    raise AssertionError(f"not {count} listening workers on port {port}: {_tcp_sockets(port)}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-worker sockets are Linux-only")
+def test_serve_with_workers_gives_each_its_own_socket_and_spreads_connections(tmp_path):
+    # uvicorn's shared socket let one worker take a whole pool of connections opened at once (16/0
+    # in the HTTP benchmark); with a socket per worker the kernel spreads them.
+    with serving(tmp_path, "--workers", "2") as (url, _, log_path):
+        port = int(url.rsplit(":", 1)[1])
+        first, second = _workers_listening(port, 2)
+        connections = _open_connections(url, 24)
+        try:
+            held = {pid: n["established"] for pid, n in _tcp_sockets(port).items() if pid in (first, second)}
+            assert sum(held.values()) == 24 and min(held.values()) > 0, held  # all on one: odds 2 in 2^24
+        finally:
+            for c in connections:
+                c.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-worker sockets are Linux-only")
+def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_path):
+    import signal
+
+    data_dir, port = tmp_path / "data", free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    server = subprocess.Popen([*CLI, "serve", "--port", str(port), "--data-dir", str(data_dir), "--workers", "2"],
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        workers = _workers_listening(port, 2)
+        os.kill(workers[0], signal.SIGKILL)
+        replaced = _workers_listening(port, 2)
+        assert workers[0] not in replaced and workers[1] in replaced
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=30).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in replaced)
+        assert "exited with code -9; starting another" in (tmp_path / "serve.log").read_text()
+    finally:
+        if server.poll() is None:
+            server.kill()
+        log.close()
+
+
+def test_serve_with_workers_refuses_a_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([*CLI, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+                                 "--workers", "2"], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr
+
+
 def test_serve_with_workers_prepares_the_model_once_before_starting_them(tmp_path, monkeypatch):
     # A worker busy making the model files misses uvicorn's liveness pings and is restarted
     # mid-request; `serve --workers N` makes them first. The fp32 export is copied from the test

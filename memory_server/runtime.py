@@ -13,6 +13,7 @@ from memory_server import allocator
 from memory_server.auth import KeyCache, create_key
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
+from memory_server.errors import StartupError
 from memory_server.models import ApiKey
 from memory_server.services.index_sync import IndexSync
 from memory_server.services.vector_memory import VectorMemory
@@ -62,6 +63,20 @@ def ensure_bootstrap_key(engine: Engine, data_dir: Path) -> Path | None:
     return path
 
 
+def _rebuild_outdated(settings: Settings, index: VectorIndex, sync: IndexSync) -> None:
+    """An index made by an earlier version (its points lack a payload field searches now use) is
+    rebuilt from SQL before anything else touches it. An Edge index belongs to this process alone;
+    a Qdrant server collection is shared by every replica, so there the operator rebuilds it once."""
+    if settings.qdrant_url:
+        index.close()
+        raise StartupError(f"Qdrant collection '{settings.qdrant_collection}' was made by an earlier version of "
+                           "memory-server; stop the replicas and run `memory-server reindex` once")
+    log.warning("the vector index was made by an earlier version; rebuilding it from SQL (once; a large store "
+                "takes a while)")
+    done = sync.rebuild()
+    log.warning("vector index rebuilt: %d memories", done)
+
+
 @dataclass
 class Runtime:
     settings: Settings
@@ -88,6 +103,8 @@ class Runtime:
         index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
         sparse = SparseEncoder()
         sync = IndexSync(engine, index, sparse)
+        if index.outdated and not recreate_index:
+            _rebuild_outdated(settings, index, sync)
         if not recreate_index:
             sync.catch_up()  # repair: replay whatever SQL committed that the index has not applied
         memories = VectorMemory(settings, engine, embedder, index, sync, sparse)

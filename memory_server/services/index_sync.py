@@ -28,9 +28,17 @@ def payload_metadata(value):
     return value
 
 
+def scope_key(tenant_id: str, user_id: str | None, agent_id: str | None, run_id: str | None) -> str:
+    """One keyword for a memory's exact scope: "tenant/user/agent/run", "" for an id not set (ids
+    never hold "/"). The near-duplicate check looks a new memory's scope up by it: one filter
+    condition instead of four, ~40% less per query at 200k memories (bench/analysis.md, round 5)."""
+    return f"{tenant_id}/{user_id or ''}/{agent_id or ''}/{run_id or ''}"
+
+
 def point_for(row: MemoryRecord, sparse: SparseEncoder) -> IndexPoint:
     payload = {
         "tenant": row.tenant_id,
+        "scope": scope_key(row.tenant_id, row.user_id, row.agent_id, row.run_id),
         # "" stands for "not set": scope ids are never empty, and a keyword match stays exact.
         "user_id": row.user_id or "",
         "agent_id": row.agent_id or "",

@@ -29,7 +29,7 @@ from memory_server.schemas import (
     UpdateRequest,
 )
 from memory_server.services.filters import bounds_scope, parse_filters, restrict
-from memory_server.services.index_sync import IndexSync, point_for
+from memory_server.services.index_sync import IndexSync, point_for, scope_key
 from memory_server.storage.db import lock_change_log
 from memory_server.storage.vectors import IndexPoint, IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
@@ -206,8 +206,7 @@ class VectorMemory:
         threshold = self.settings.dedup_threshold
         wanted = [i for i, (p, _) in enumerate(group) if not p.context and (p.scope, text_hash(p.text)) not in existing]
         queries = [IndexQuery(mode="dense", limit=NEAR_CANDIDATES, dense=group[i][1].tolist(), filter=All((
-            Field("tenant", "eq", principal.tenant_id),
-            *(Field(name, "eq", value or "") for name, value in zip(("user_id", "agent_id", "run_id"), group[i][0].scope)),
+            Field("scope", "eq", scope_key(principal.tenant_id, *group[i][0].scope)),
         ))) for i in wanted]
         close = {i: [hit.id for hit in hits if hit.score >= threshold]
                  for i, hits in zip(wanted, self.index.search_batch(queries) if queries else [])}

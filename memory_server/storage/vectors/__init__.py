@@ -53,6 +53,7 @@ class VectorIndex(Protocol):
     """Derived from SQL; every method is idempotent so change-log replay is always safe."""
 
     dimension: int
+    outdated: bool  # made by an older version with another payload layout: rebuild before use
 
     def upsert(self, points: list[IndexPoint]) -> None: ...
 

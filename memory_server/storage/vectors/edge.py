@@ -19,7 +19,10 @@ from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
 
 META_ID = "00000000-0000-0000-0000-000000000000"
-KEYWORD_FIELDS = ("user_id", "agent_id", "run_id")
+KEYWORD_FIELDS = ("user_id", "agent_id", "run_id", "scope")
+# What the points' payload holds; an index made with an older layout is rebuilt from SQL (see
+# Runtime.open). 2: the "scope" keyword (services/index_sync.scope_key).
+PAYLOAD_LAYOUT = 2
 FLOAT_FIELDS = ("created_at", "updated_at", "expires_at")
 
 
@@ -141,6 +144,7 @@ class EdgeIndex:
                 shard.close()
                 raise
             self._position = int(payload.get("position", 0))
+            self.outdated = int(payload.get("layout", 1)) < PAYLOAD_LAYOUT
             return shard
         self.path.mkdir(parents=True, exist_ok=True)
         shard = qe.EdgeShard.create(str(self.path), self._config())
@@ -151,12 +155,14 @@ class EdgeIndex:
         for name in FLOAT_FIELDS:
             shard.update(qe.UpdateOperation.create_field_index(name, qe.FloatIndexParams(memory=cached)))
         self._position = 0
+        self.outdated = False
         self._write_meta(shard, 0)
         shard.flush()
         return shard
 
     def _write_meta(self, shard: qe.EdgeShard, position: int) -> None:
-        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model}
+        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
+                   "layout": PAYLOAD_LAYOUT}
         shard.update(qe.UpdateOperation.upsert_points([qe.Point(META_ID, {}, payload)]))
 
     def close(self) -> None:

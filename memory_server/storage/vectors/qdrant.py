@@ -3,7 +3,7 @@
 from qdrant_client import QdrantClient, models
 
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
-from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, check_model
+from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, PAYLOAD_LAYOUT, check_model
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
 
 
@@ -24,12 +24,14 @@ class QdrantServerIndex:
             payload = meta[0].payload if meta else {}
             check_model(payload, self.dimension, self.model, f"Qdrant collection '{self.collection}'")
             self._position = int(payload.get("position", 0))
+            self.outdated = int(payload.get("layout", 1)) < PAYLOAD_LAYOUT
             return
         self.client.create_collection(
             self.collection,
             vectors_config={"dense": models.VectorParams(size=self.dimension, distance=models.Distance.COSINE)},
             sparse_vectors_config={"bm25": models.SparseVectorParams(modifier=models.Modifier.IDF)},
         )
+        self.outdated = False
         self.client.create_payload_index(
             self.collection, "tenant", models.KeywordIndexParams(type=models.KeywordIndexType.KEYWORD, is_tenant=True)
         )
@@ -70,7 +72,8 @@ class QdrantServerIndex:
         return self._position
 
     def set_applied_position(self, position: int) -> None:
-        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model}
+        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
+                   "layout": PAYLOAD_LAYOUT}
         self.client.upsert(self.collection, [models.PointStruct(id=META_ID, vector={}, payload=payload)], wait=True)
         self._position = position
 

@@ -3,9 +3,10 @@
 Two backends give the same vectors (to ~1e-7): `onnx` (default; the model is exported once into
 the data directory and run by ONNX Runtime, several times faster on a CPU) and `torch`. The onnx
 backend runs an int8-quantised copy of the model by default (`quantize="int8"`, activations
-quantised per token: memory_server/quantize.py): less than half the CPU per text, cosine to the
-full-precision vectors >= 0.997 and the same LoCoMo recall (docs/benchmarks.md), and a text's vector
-does not depend on what it is batched with. `quantize="none"` runs full precision. The two count as
+quantised per token, weights to 7 bits: memory_server/quantize.py): less than half the CPU per text
+on a VNNI processor, cosine to the full-precision vectors >= 0.995 and the same LoCoMo recall
+(docs/benchmarks.md), exact integer products on x86 processors with or without VNNI, and a text's
+vector does not depend on what it is batched with. `quantize="none"` runs full precision. The two count as
 different models for the index (`name` carries the suffix), so their vectors are never mixed.
 """
 
@@ -24,6 +25,8 @@ import numpy as np
 from memory_server.errors import StartupError
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
+# The int8 model's kind: activations quantised per token, weights to 7 bits (memory_server/quantize.py).
+QUANTIZED_SUFFIX = "per-token-w7"
 
 
 def resolve_model_path(name: str) -> str:
@@ -58,8 +61,9 @@ class Embedder:
         if quantize not in ("none", "int8") or (quantize != "none" and backend != "onnx"):
             raise StartupError(f"embedding quantization '{quantize}' is not available with the {backend} backend; "
                                "use the onnx backend or MEMORY_SERVER_EMBEDDING_QUANTIZE=none")
-        # Indexes made by the earlier per-tensor int8 model ("+int8") need `reindex --reembed`.
-        self.name = model if quantize == "none" else f"{model}+{quantize}-per-token"
+        # Indexes made by earlier int8 models ("+int8" per tensor, "+int8-per-token" with 8-bit
+        # weights) need `reindex --reembed`.
+        self.name = model if quantize == "none" else f"{model}+{quantize}-{QUANTIZED_SUFFIX}"
         self.backend = backend
         self.batch_size = batch_size
         path = resolve_model_path(model)
@@ -289,7 +293,7 @@ def _export(path: str, onnx_file: Path, meta_file: Path) -> None:
 def _quantized(onnx_file: Path) -> Path:
     """The int8 copy of an exported model (per-channel weights, per-token activations: see
     memory_server/quantize.py), made once next to it."""
-    target = onnx_file.with_name(f"{onnx_file.stem}-int8-per-token.onnx")
+    target = onnx_file.with_name(f"{onnx_file.stem}-int8-{QUANTIZED_SUFFIX}.onnx")
     if not target.exists():
         from memory_server.quantize import quantize_per_token
 

@@ -111,7 +111,25 @@ def machine() -> dict:
     import os
     # The load average at the start tells whether something else was competing for the CPUs.
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_1m": os.getloadavg()[0]}
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_1m": os.getloadavg()[0],
+            **_processor()}
+
+
+# The model's speed depends most on these: the int8 model ran ~4x faster on a 2-core Zen 5 with
+# AVX-512 VNNI than on a 2-core Zen 3 with AVX2 only (bench/analysis.md, round 5).
+SIMD = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def _processor() -> dict:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu": platform.processor() or "?"}
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})",
+            "simd": [f for f in SIMD if f in flags]}
 
 
 def write_result(name: str, data: dict) -> Path:

@@ -11,6 +11,7 @@ different models for the index (`name` carries the suffix), so their vectors are
 """
 
 import hashlib
+import json
 import os
 import queue
 import threading
@@ -227,11 +228,10 @@ class _OnnxEncoder:
 
     def __init__(self, path: str, model_dir: Path, quantize: str = "none"):
         import onnxruntime
-        from transformers import AutoTokenizer
 
-        self._tokenizer = AutoTokenizer.from_pretrained(path)
         onnx_file, meta_file = onnx_model_files(path, model_dir, quantize)
         self.dimension, self._max_length = (int(v) for v in meta_file.read_text().split())
+        self._tokenizer = _Tokenizer(path, self._max_length)
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         # One thread per call (calls run side by side, see Embedder.workers), and no idle spinning:
@@ -243,9 +243,56 @@ class _OnnxEncoder:
         self._inputs = [i.name for i in self._session.get_inputs()]
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        encoded = self._tokenizer(texts, padding=True, truncation=True, max_length=self._max_length, return_tensors="np")
-        feeds = {name: encoded[name].astype(np.int64) for name in self._inputs}
-        return self._session.run(None, feeds)[0]
+        encoded = self._tokenizer(texts)
+        return self._session.run(None, {name: encoded[name] for name in self._inputs})[0]
+
+
+class _Tokenizer:
+    """The model's tokenizer, padded to the longest text of a call and truncated to the model's
+    length. A model with a `tokenizer.json` (the bundled one does) runs it through the `tokenizers`
+    library directly: the same ids as transformers' AutoTokenizer (tested), without importing
+    transformers, which imports torch: ~3.3 s and ~230 MB less at every start of the onnx backend."""
+
+    def __init__(self, path: str, max_length: int):
+        self._fast, self._slow, self._max_length = None, None, max_length
+        file = Path(path) / "tokenizer.json"
+        pad_token = _pad_token(Path(path)) if file.is_file() else None
+        if pad_token is not None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(file))
+            pad_id = tokenizer.token_to_id(pad_token)
+            if pad_id is not None:
+                # tokenizer.json may carry its own (fixed-length) settings; transformers overrides them per call too.
+                tokenizer.enable_truncation(max_length=max_length)
+                tokenizer.enable_padding(pad_id=pad_id, pad_token=pad_token)
+                self._fast = tokenizer
+                return
+        from transformers import AutoTokenizer  # a model without a usable tokenizer.json
+
+        self._slow = AutoTokenizer.from_pretrained(path)
+
+    def __call__(self, texts: list[str]) -> dict[str, np.ndarray]:
+        if self._fast is None:
+            encoded = self._slow(texts, padding=True, truncation=True, max_length=self._max_length, return_tensors="np")
+            return {name: value.astype(np.int64) for name, value in encoded.items()}
+        encodings = self._fast.encode_batch(texts)
+        return {"input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+                "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+                "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64)}
+
+
+def _pad_token(path: Path) -> str | None:
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            token = json.loads((path / name).read_text()).get("pad_token")
+        except (OSError, ValueError):
+            continue
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            return token
+    return None
 
 
 def onnx_model_files(path: str, model_dir: Path, quantize: str = "none") -> tuple[Path, Path]:

@@ -269,6 +269,36 @@ def test_int8_weights_use_seven_bits_so_products_cannot_saturate_without_vnni():
     assert min(w.min() for w in weights) == -64  # and the seven bits are used
 
 
+def test_onnx_tokenizer_gives_transformers_ids_without_importing_it(tmp_path):
+    # The onnx backend tokenizes with the `tokenizers` library: importing transformers (and torch
+    # with it) cost ~3.3 s and ~230 MB at every start.
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from memory_server.embedding import BUNDLED_MODEL, _Tokenizer, resolve_model_path
+
+    path = resolve_model_path(BUNDLED_MODEL)
+    reference, ours = AutoTokenizer.from_pretrained(path), _Tokenizer(path, 256)
+    texts = FACTS + ["我喜欢吃四川火锅", "Ça va? Naïve café — déjà vu 🙂", "a", "word " * 400, "x" * 3000, "tab\tand\nline"]
+    for chunk in (texts[:3], texts[3:9], texts[9:], texts[-3:-2]):
+        expected = reference(chunk, padding=True, truncation=True, max_length=256, return_tensors="np")
+        got = ours(chunk)
+        assert set(got) == set(expected)
+        for name in got:
+            assert np.array_equal(got[name], expected[name]), (name, chunk)
+    script = (f"from pathlib import Path; import sys; from memory_server.runtime import Runtime; "
+              f"from memory_server.config import Settings; "
+              f"Runtime.open(Settings(data_dir=Path({str(tmp_path / 'data')!r}))).close(); "
+              f"print(sorted(m for m in ('torch', 'transformers', 'sentence_transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEMORY_SERVER_MODEL_DIR": str(MODEL_DIR), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_vectors_handed_out_ahead_are_the_same_vectors_in_the_same_order(embedder):
     texts = [f"{FACTS[i % len(FACTS)]} (note {i}{'!' * (i % 7)})" for i in range(300)]
     ahead = list(embedder.embed_ahead(texts))

@@ -269,6 +269,17 @@ def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_p
         log.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-worker sockets are Linux-only")
+def test_serve_with_workers_gives_up_when_workers_keep_failing_at_start(tmp_path):
+    # The workers open the index themselves; an unreachable Qdrant server fails every start. The
+    # supervisor stops after three quick exits in a row instead of restarting them forever.
+    result = subprocess.run([*CLI, "serve", "--port", str(free_port()), "--data-dir", str(tmp_path / "data"),
+                             "--workers", "2"], capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "MEMORY_SERVER_QDRANT_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "workers keep exiting as they start" in result.stderr
+
+
 def test_serve_with_workers_refuses_a_port_in_use(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -1,6 +1,7 @@
 """Storage behaviour on SQLite and PostgreSQL: restart, reindex, crash repair, change-log replay."""
 
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -297,6 +298,21 @@ def test_onnx_tokenizer_gives_transformers_ids_without_importing_it(tmp_path):
                           env={**os.environ, "MEMORY_SERVER_MODEL_DIR": str(MODEL_DIR), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_model_without_tokenizer_json_falls_back_to_transformers(tmp_path):
+    import shutil
+
+    from memory_server.embedding import BUNDLED_MODEL, _Tokenizer, resolve_model_path
+
+    source = Path(resolve_model_path(BUNDLED_MODEL))
+    copy = tmp_path / "model"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("tokenizer.json", "*.safetensors", "*.bin"))
+    slow, fast = _Tokenizer(str(copy), 256), _Tokenizer(str(source), 256)
+    assert slow._fast is None and fast._fast is not None
+    texts = FACTS + ["我喜欢吃四川火锅", "word " * 400]
+    got, expected = slow(texts), fast(texts)
+    assert set(got) == set(expected) and all(np.array_equal(got[k], expected[k]) for k in got)
 
 
 def test_vectors_handed_out_ahead_are_the_same_vectors_in_the_same_order(embedder):

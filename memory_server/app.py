@@ -14,7 +14,7 @@ from memory_server import __version__
 from memory_server.api import health, keys, memories
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
-from memory_server.errors import MemoryServerError, PayloadTooLarge
+from memory_server.errors import MemoryServerError
 from memory_server.metrics import Metrics
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 
@@ -22,6 +22,7 @@ log = logging.getLogger("memory_server")
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
                  429: "rate_limited", 503: "unavailable"}
+ROUTERS = (health.router, memories.router, keys.router)
 
 
 def configure_logging(settings: Settings) -> None:
@@ -54,9 +55,8 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     app = FastAPI(title="memory-server", version=__version__, lifespan=lifespan,
                   description="Long-term memory for LLM agents. Contract: API.md.")
     app.state.metrics = Metrics()
-    app.include_router(health.router)
-    app.include_router(memories.router)
-    app.include_router(keys.router)
+    for router in ROUTERS:
+        app.include_router(router)
     _install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ObserveRequests, metrics=app.state.metrics)

@@ -168,6 +168,23 @@ def test_duplicates_are_found_across_a_large_batch_and_the_store(server):
         assert [r["event"] for r in results[:70] + results[71:151]] == ["ADD"] * 150
 
 
+def test_exact_duplicates_in_a_batch_of_many_scopes_match_only_their_own_scope(server):
+    """The same text stored for many users, for an agent without a user and for one user's agents:
+    a batch repeating it across those scopes finds each scope's own copy and no other."""
+    text = "Prefers a window seat on long flights"
+    with server.client() as c:
+        scopes = [{"user_id": "u1"}, {"user_id": "u2"}, {"user_id": "u3"}, {"agent_id": "planner"},
+                  {"user_id": "u1", "agent_id": "a"}]
+        stored = [c.post("/v1/memories", json={"text": text, **scope}).json()["results"][0]["id"] for scope in scopes]
+        batch = [{"user_id": "u2"}, {"user_id": "u4"}, {"agent_id": "planner"}, {"user_id": "u1", "agent_id": "a"},
+                 {"user_id": "u1", "agent_id": "b"}, {"agent_id": "scheduler"}]
+        results = c.post("/v1/memories/batch", json={"items": [{"text": text, **scope} for scope in batch]}).json()["results"]
+        assert [(r["event"], r["id"]) for r in results[:1] + results[2:4]] == [
+            ("NOOP", stored[1]), ("NOOP", stored[3]), ("NOOP", stored[4])]
+        assert [r["event"] for r in (results[1], results[4], results[5])] == ["ADD", "ADD", "ADD"]
+        assert len({r["id"] for r in results} | set(stored)) == len(stored) + 3
+
+
 def test_expired_memories_never_come_back_and_are_purged(server):
     with server.client() as c:
         soon = (datetime.now(timezone.utc) + timedelta(seconds=1.5)).isoformat()

@@ -3,6 +3,10 @@
 They are `async def` on purpose: FastAPI runs every plain `def` dependency in the thread pool,
 one hop (and GIL hand-over) each per request. Only a key that is not cached touches the database,
 and that lookup goes to the thread pool.
+
+Routes are `async def` too, and pass their blocking service call to `run_in_threadpool`
+themselves: for a plain `def` route FastAPI also validates the returned model in the thread pool,
+a second hop that under load queues for a thread behind every request waiting for its first.
 """
 
 from typing import Annotated

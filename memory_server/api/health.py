@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
 
@@ -10,22 +11,22 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict:
+async def healthz() -> dict:
     return {"status": "ok"}
 
 
 @router.get("/readyz")
-def readyz(runtime: RuntimeDep) -> JSONResponse:
-    checks = runtime.ready()
+async def readyz(runtime: RuntimeDep) -> JSONResponse:
+    checks = await run_in_threadpool(runtime.ready)
     ok = all(checks.values())
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")
-def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
+async def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
     principal.require_admin()
     metrics = request.app.state.metrics
-    info = runtime.index.info()
+    info = await run_in_threadpool(runtime.index.info)
     metrics.index_position.set(info.applied_position)
     metrics.index_points.set(info.points)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

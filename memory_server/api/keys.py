@@ -2,17 +2,23 @@
 
 from fastapi import APIRouter
 from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
-from memory_server.auth import create_key, list_keys, revoke_key
+from memory_server.auth import Principal, create_key, list_keys, revoke_key
+from memory_server.runtime import Runtime
 from memory_server.schemas import KeyCreate, KeyCreated, KeyList, KeyPublic
 
 router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
 
 
 @router.post("", response_model=KeyCreated, status_code=201)
-def create_api_key(body: KeyCreate, principal: PrincipalDep, runtime: RuntimeDep) -> KeyCreated:
+async def create_api_key(body: KeyCreate, principal: PrincipalDep, runtime: RuntimeDep) -> KeyCreated:
     principal.require_admin()
+    return await run_in_threadpool(_create, runtime, principal, body)
+
+
+def _create(runtime: Runtime, principal: Principal, body: KeyCreate) -> KeyCreated:
     with Session(runtime.engine) as session:
         row, plaintext = create_key(session, tenant_id=principal.tenant_id, role=body.role, user_ids=body.user_ids,
                                     agent_ids=body.agent_ids, label=body.label)
@@ -20,17 +26,25 @@ def create_api_key(body: KeyCreate, principal: PrincipalDep, runtime: RuntimeDep
 
 
 @router.get("", response_model=KeyList)
-def list_api_keys(principal: PrincipalDep, runtime: RuntimeDep) -> KeyList:
+async def list_api_keys(principal: PrincipalDep, runtime: RuntimeDep) -> KeyList:
     principal.require_admin()
+    return await run_in_threadpool(_list, runtime, principal)
+
+
+def _list(runtime: Runtime, principal: Principal) -> KeyList:
     with Session(runtime.engine) as session:
         rows = list_keys(session, principal.tenant_id)
         return KeyList(results=[KeyPublic.model_validate(r, from_attributes=True) for r in rows])
 
 
 @router.delete("/{key_id}", response_model=KeyPublic)
-def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
+async def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
     principal.require_admin()
-    with Session(runtime.engine) as session:
-        revoked = KeyPublic.model_validate(revoke_key(session, key_id, principal.tenant_id), from_attributes=True)
+    revoked = await run_in_threadpool(_revoke, runtime, principal, key_id)
     runtime.keys.clear()
     return revoked
+
+
+def _revoke(runtime: Runtime, principal: Principal, key_id: str) -> KeyPublic:
+    with Session(runtime.engine) as session:
+        return KeyPublic.model_validate(revoke_key(session, key_id, principal.tenant_id), from_attributes=True)

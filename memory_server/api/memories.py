@@ -1,8 +1,13 @@
-"""Vector memory routes (API.md, section Vector memory)."""
+"""Vector memory routes (API.md, section Vector memory).
+
+Routes are `async def` and hand the blocking service call to the thread pool themselves (see
+memory_server/api/deps.py for why).
+"""
 
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from starlette.concurrency import run_in_threadpool
 
 from memory_server.api.deps import MemoriesDep, PrincipalDep
 from memory_server.schemas import (
@@ -15,49 +20,53 @@ ScopeQuery = Annotated[str | None, Query(pattern=SCOPE_ID_PATTERN)]
 
 
 @router.post("", response_model=AddResponse)
-def add_memory(body: AddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
-    return memories.add(principal, body)
+async def add_memory(body: AddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
+    return await run_in_threadpool(memories.add, principal, body)
 
 
 @router.post("/batch", response_model=AddResponse)
-def add_memories(body: BatchAddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
-    return memories.add_batch(principal, body.items)
+async def add_memories(body: BatchAddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
+    return await run_in_threadpool(memories.add_batch, principal, body.items)
 
 
 @router.post("/search", response_model=SearchResponse)
-def search_memories(body: SearchRequest, principal: PrincipalDep, memories: MemoriesDep) -> SearchResponse:
-    return SearchResponse(results=memories.search(principal, body))
+async def search_memories(body: SearchRequest, principal: PrincipalDep, memories: MemoriesDep) -> SearchResponse:
+    return SearchResponse(results=await run_in_threadpool(memories.search, principal, body))
 
 
 @router.get("", response_model=MemoryPage)
-def list_memories(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
-                  agent_id: ScopeQuery = None, run_id: ScopeQuery = None,
-                  limit: Annotated[int, Query(ge=1, le=200)] = 100,
-                  cursor: Annotated[str | None, Query(max_length=512)] = None) -> MemoryPage:
-    return memories.list(principal, user_id=user_id, agent_id=agent_id, run_id=run_id, limit=limit, cursor=cursor)
+async def list_memories(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
+                        agent_id: ScopeQuery = None, run_id: ScopeQuery = None,
+                        limit: Annotated[int, Query(ge=1, le=200)] = 100,
+                        cursor: Annotated[str | None, Query(max_length=512)] = None) -> MemoryPage:
+    return await run_in_threadpool(memories.list, principal, user_id=user_id, agent_id=agent_id, run_id=run_id,
+                                  limit=limit, cursor=cursor)
 
 
 @router.delete("", response_model=DeleteResponse)
-def delete_scope(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
-                 agent_id: ScopeQuery = None, run_id: ScopeQuery = None) -> DeleteResponse:
-    return DeleteResponse(deleted=memories.delete_scope(principal, user_id=user_id, agent_id=agent_id, run_id=run_id))
+async def delete_scope(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
+                       agent_id: ScopeQuery = None, run_id: ScopeQuery = None) -> DeleteResponse:
+    deleted = await run_in_threadpool(memories.delete_scope, principal, user_id=user_id, agent_id=agent_id,
+                                      run_id=run_id)
+    return DeleteResponse(deleted=deleted)
 
 
 @router.get("/{memory_id}", response_model=MemoryOut)
-def get_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> MemoryOut:
-    return memories.get(principal, memory_id)
+async def get_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> MemoryOut:
+    return await run_in_threadpool(memories.get, principal, memory_id)
 
 
 @router.patch("/{memory_id}", response_model=MemoryOut)
-def update_memory(memory_id: str, body: UpdateRequest, principal: PrincipalDep, memories: MemoriesDep) -> MemoryOut:
-    return memories.update(principal, memory_id, body)
+async def update_memory(memory_id: str, body: UpdateRequest, principal: PrincipalDep,
+                        memories: MemoriesDep) -> MemoryOut:
+    return await run_in_threadpool(memories.update, principal, memory_id, body)
 
 
 @router.delete("/{memory_id}", response_model=DeleteResponse)
-def delete_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> DeleteResponse:
-    return DeleteResponse(deleted=memories.delete(principal, memory_id))
+async def delete_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> DeleteResponse:
+    return DeleteResponse(deleted=await run_in_threadpool(memories.delete, principal, memory_id))
 
 
 @router.get("/{memory_id}/history", response_model=HistoryResponse)
-def memory_history(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> HistoryResponse:
-    return HistoryResponse(results=memories.history(principal, memory_id))
+async def memory_history(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> HistoryResponse:
+    return HistoryResponse(results=await run_in_threadpool(memories.history, principal, memory_id))

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from datetime import datetime, timezone
 
 import numpy as np
-from sqlalchemy import and_, bindparam, delete as sql_delete, func, or_
+from sqlalchemy import and_, bindparam, delete as sql_delete, func, or_, tuple_
 from sqlalchemy.orm import defer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -185,15 +185,18 @@ class VectorMemory:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
         hashes = sorted({text_hash(p.text) for p in planned})
         # Common texts recur across users, so the rows with these hashes grow with the store. The
-        # first query reads only the hash index (it holds the scope), and the rows themselves are
-        # read only for hashes found in the batch's own scopes: reading every matching row (with its
-        # 1.5 KB embedding beside it) was a quarter of a batch add's own work at ~500k memories.
+        # first query reads only the hash index (it holds the scope), keeps only the (hash, user)
+        # pairs of the batch there, in SQL, and the rows themselves are read only for those:
+        # reading every matching row (with its 1.5 KB embedding beside it) was a quarter of a batch
+        # add's own work at ~500k memories, and so was taking every user's index entry into Python
+        # at ~350k.
         scopes = {p.scope for p in planned}
-        wanted = {((u, a, r), h) for u, a, r, h in session.execute(_HASH_SCOPES, {"tenant": tenant_id, "hashes": hashes})
-                  if (u, a, r) in scopes}
+        pairs = sorted({(text_hash(p.text), p.scope[0]) for p in planned if p.scope[0] is not None})
+        params = {"tenant": tenant_id, "hashes": hashes, "pairs": pairs}
+        wanted = {((u, a, r), h) for u, a, r, h in session.execute(_HASH_SCOPES, params) if (u, a, r) in scopes}
         if not wanted:
             return {}
-        found = session.execute(_SAME_HASH, {"tenant": tenant_id, "hashes": sorted({h for _, h in wanted}), "now": now})
+        found = session.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
         return {((u, a, r), h): (i, text) for i, u, a, r, h, text in found if ((u, a, r), h) in wanted}
 
     def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
@@ -465,12 +468,15 @@ _HIT_ROWS = select(
 # Statements the add path runs on every request, built once: building a select costs more than
 # SQLite takes to run it. _ALIVE_AT_NOW is _alive() with `now` bound when the statement runs.
 _ALIVE_AT_NOW = func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type)
-_HASH_SCOPES = select(MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash).where(
-    MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)))
-_SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
-                    MemoryRecord.hash, MemoryRecord.text).where(
+# Rows with one of the batch's hashes whose (hash, user) pair is the batch's (or that have no user).
+_SAME_HASH_AND_USER = and_(
     MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)),
-    _ALIVE_AT_NOW)
+    or_(col(MemoryRecord.user_id).is_(None),
+        tuple_(MemoryRecord.hash, MemoryRecord.user_id).in_(bindparam("pairs", expanding=True))))
+_HASH_SCOPES = select(MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash).where(
+    _SAME_HASH_AND_USER)
+_SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
+                    MemoryRecord.hash, MemoryRecord.text).where(_SAME_HASH_AND_USER, _ALIVE_AT_NOW)
 _LIVE_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(
     col(MemoryRecord.id).in_(bindparam("ids", expanding=True)),
     _ALIVE_AT_NOW)

@@ -104,7 +104,12 @@ def main(argv=None):
     p.add_argument("--sizes", default="10000,100000,1000000")
     p.add_argument("--queries", type=int, default=300)
     p.add_argument("--out", default="service-latency")
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="fill the store in DIR (new or empty) and keep it afterwards, e.g. to profile search or "
+                        "reopen at 1M without another fill (default: a temporary directory, removed)")
     a = p.parse_args(argv)
+    if a.keep is not None and a.keep.exists() and any(a.keep.iterdir()):
+        p.error(f"--keep {a.keep}: the directory is not empty")
 
     from memory_server.auth import Principal
     from memory_server.config import Settings
@@ -113,7 +118,8 @@ def main(argv=None):
 
     sizes = sorted(int(s) for s in a.sizes.split(","))
     principal = Principal(tenant_id="bench", key_id="bench", role="admin")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-latency-"))
+    tmp = a.keep or Path(tempfile.mkdtemp(prefix="bench-latency-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     settings = Settings(data_dir=tmp, query_cache_size=0)  # MEMORY_SERVER_* from the environment apply
     result = {"machine": machine(), "sizes": {}, "notes": [
         "in-process Runtime with its maintenance thread (as in the server): SQLite + Qdrant Edge (int8 quantised "
@@ -159,7 +165,8 @@ def main(argv=None):
                   {m: round(v["total"]["p95_ms"], 2) for m, v in point["search"].items()})
         rt.close()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if a.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(write_result(a.out, result))
 
 

@@ -183,15 +183,16 @@ class VectorMemory:
 
     def _exact_duplicates(self, session: Session, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
-        hashes = sorted({text_hash(p.text) for p in planned})
+        keys = {(p.scope, text_hash(p.text)) for p in planned}
+        hashes = sorted({h for _, h in keys})
         # Common texts recur across users, so the rows with these hashes grow with the store. The
         # first query reads only the hash index (it holds the scope), keeps only the (hash, user)
         # pairs of the batch there, in SQL, and the rows themselves are read only for those:
         # reading every matching row (with its 1.5 KB embedding beside it) was a quarter of a batch
         # add's own work at ~500k memories, and so was taking every user's index entry into Python
         # at ~350k.
-        scopes = {p.scope for p in planned}
-        pairs = sorted({(text_hash(p.text), p.scope[0]) for p in planned if p.scope[0] is not None})
+        scopes = {scope for scope, _ in keys}
+        pairs = sorted({(h, scope[0]) for scope, h in keys if scope[0] is not None})
         params = {"tenant": tenant_id, "hashes": hashes, "pairs": pairs}
         wanted = {((u, a, r), h) for u, a, r, h in session.execute(_HASH_SCOPES, params) if (u, a, r) in scopes}
         if not wanted:

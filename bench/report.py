@@ -114,13 +114,22 @@ def part2(latency):
             return _f(p.get("rss_mb" if key == "memory_filling_process" else "rss_after_reopen_mb"), 0)
         return f"{_f(m['rss_mb'], 0)} ({_f(m.get('anon_mb'), 0)} + {_f(m.get('file_mb'), 0)})"
 
+    def after_reopen(p):  # p50 / p95 of the restarted process's first and next 200 searches, where recorded
+        m = p.get("memory_after_reopen") or {}
+        first, later = m.get("first_searches"), m.get("next_searches")
+        if not first or not later:
+            return "–"
+        return " · ".join(f"{_f(r['p50_ms'], 1)} / {_f(r['p95_ms'], 1)}" for r in (first, later))
+
     sizes = [[f"{int(size):,}", _f(p["batch_add_per_s"]), memory(p, "memory_filling_process"),
-              memory(p, "memory_after_reopen"), _f(p["disk_mb"], 0), _f(p["reopen_s"], 2), _f(p["optimize_s"])]
+              memory(p, "memory_after_reopen"), _f(p["disk_mb"], 0), _f(p["reopen_s"], 2), after_reopen(p),
+              _f(p["optimize_s"])]
              for size, p in latency["sizes"].items()]
     return (_table(["memories", "mode", "search p50 ms", "search p95 ms", "embed p50 ms", "index p50 ms",
                     "index p95 ms"], rows)
             + "\n\n" + _table(["memories", "batch add /s (cumulative)", "RSS MB, filling process (heap + files)",
-                               "RSS MB, restarted process (heap + files)", "disk MB", "reopen s", "optimize s"], sizes)
+                               "RSS MB, restarted process (heap + files)", "disk MB", "reopen s",
+                               "restarted: first · next 200 searches p50 / p95 ms", "optimize s"], sizes)
             + "\n\n" + "\n".join(f"- {n}" for n in latency.get("notes", [])) + "\n")
 
 

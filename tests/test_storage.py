@@ -57,6 +57,57 @@ def test_restart_keeps_memories_history_and_search(settings, embedder, admin):
         second.close()
 
 
+def test_reopening_an_edge_shard_reads_its_warm_files_ahead_and_leaves_the_cold_ones(settings, embedder, admin,
+                                                                                     monkeypatch):
+    from memory_server.storage.vectors import edge
+
+    first = Runtime.open(settings, embedder=embedder)
+    fill(first, admin)
+    first.index.optimize()
+    before = answers(first, admin)
+    shard = first.index.path
+    first.close()
+
+    warm = edge.warm_files(shard)
+    every = [f for f in shard.rglob("*") if f.is_file()]
+    assert warm and set(warm) < set(every)
+    assert any("payload_storage" in f.parts for f in every) and not any("payload_storage" in f.parts for f in warm)
+
+    calls = []
+    original = edge.read_ahead
+
+    def spy(path):
+        expected = sum(f.stat().st_size for f in edge.warm_files(path))
+        calls.append((path, expected, original(path)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(edge, "read_ahead", spy)
+    second = Runtime.open(settings, embedder=embedder)
+    try:
+        assert len(calls) == 1 and calls[0][0] == shard and calls[0][1] == calls[0][2] > 0
+        assert answers(second, admin) == before
+    finally:
+        second.close()
+
+
+def test_read_ahead_takes_what_loading_reads_and_leaves_full_vectors_and_payloads(tmp_path):
+    from memory_server.storage.vectors import edge
+
+    # An indexed segment's layout (too large a store to build in a test): full vectors, their int8
+    # copies, the graph, the id tracker and the payloads.
+    segment = tmp_path / "segments" / "s1"
+    layout = {"vector_storage-dense/matrix.dat": 300, "vector_storage-dense/quantized.data": 70,
+              "vector_index-dense/links_compressed.bin": 20, "id_tracker.i2e": 5,
+              "payload_storage/page_0.dat": 90, "payload_index/user_id-map/page_0.dat": 9}
+    for name, size in layout.items():
+        (segment / name).parent.mkdir(parents=True, exist_ok=True)
+        (segment / name).write_bytes(b"x" * size)
+    warm = {str(f.relative_to(segment)) for f in edge.warm_files(tmp_path)}
+    assert warm == {"vector_storage-dense/quantized.data", "vector_index-dense/links_compressed.bin",
+                    "id_tracker.i2e", "payload_index/user_id-map/page_0.dat"}
+    assert edge.read_ahead(tmp_path) == 70 + 20 + 5 + 9
+
+
 def test_reindex_from_sql_gives_the_same_search_results(runtime, admin):
     fill(runtime, admin)
     runtime.memories.delete(admin, runtime.memories.list(admin, user_id="quinn").results[0].id)

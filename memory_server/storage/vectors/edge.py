@@ -7,8 +7,10 @@ change log, which keeps them all in step with the database.
 """
 
 import fcntl
+import os
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -27,6 +29,11 @@ FLOAT_FIELDS = ("created_at", "updated_at", "expires_at")
 
 
 MAX_SHARDS = 64
+# What the config keeps Cold (memory-mapped, read on demand): the full dense vectors and the
+# payloads. read_ahead leaves their files alone; every other file of a shard is read at load.
+COLD_FILES = ("matrix.dat",)
+COLD_DIRS = ("payload_storage",)
+READ_AHEAD_THREADS = 4
 
 
 def _slot_path(data_dir: Path, slot: int) -> Path:
@@ -122,6 +129,7 @@ class EdgeIndex:
 
     def _open(self) -> qe.EdgeShard:
         if self.path.exists() and any(self.path.iterdir()):
+            read_ahead(self.path)
             # The current config is applied to an existing shard too (segment sizes, search threads).
             try:
                 shard = qe.EdgeShard.load(str(self.path), self._config())
@@ -248,6 +256,37 @@ class EdgeIndex:
         points = self._shard.count(qe.CountRequest(exact=True))
         return IndexInfo("qdrant-edge", self.dimension, max(0, points - 1), self._position,
                          {"segments": info.segments_count, "path": str(self.path)})
+
+
+def warm_files(path: Path) -> list[Path]:
+    """The files of a shard that loading it reads whole: everything but the Cold structures."""
+    return [f for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name not in COLD_FILES and not any(d in f.parts for d in COLD_DIRS)]
+
+
+def read_ahead(path: Path) -> int:
+    """Read a shard's warm files sequentially, a few at a time, before Qdrant loads it; returns the bytes read.
+
+    Loading copies the int8 vectors into RAM and pre-warms the HNSW graphs, id trackers and
+    payload indexes, all through memory-mapped page faults, which read a cold disk a few pages at a
+    time: at 1M memories, with nothing in the page cache (a server started after a reboot), the
+    load took 8.7 s. Read first in large sequential reads, the same files (1.3 GB) took ~0.6-1.2 s
+    and the load then 0.9 s. With the files already cached, this is a memory copy (~0.2 s at 1M)."""
+    files = warm_files(path)
+
+    def read(file: Path) -> int:
+        done = 0
+        try:
+            with open(file, "rb", buffering=0) as handle:
+                buffer = bytearray(min(4 << 20, max(1, os.fstat(handle.fileno()).st_size)))
+                while count := handle.readinto(buffer):
+                    done += count
+        except OSError:  # a file that vanished or cannot be read: the load itself will say what is wrong
+            pass
+        return done
+
+    with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="index-read-ahead") as pool:
+        return sum(pool.map(read, files))
 
 
 def _hits(points) -> list[Hit]:

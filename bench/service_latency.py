@@ -106,6 +106,38 @@ def measure_size(rt, principal, n_queries: int) -> dict:
     return out
 
 
+def measure_point(rt, principal, data_dir: Path, n_queries: int) -> dict:
+    """Searches, RSS and disk of the open store; then closes it and reopens it in a fresh process."""
+    point = {"search": measure_size(rt, principal, n_queries), "memory_filling_process": memory_mb()}
+    point["rss_mb"] = point["memory_filling_process"]["rss_mb"]
+    point["disk_mb"] = round(disk_mb(data_dir), 1)
+    rt.close()
+    fresh = reopen_in_fresh_process(data_dir)
+    point["reopen_s"] = fresh.pop("reopen_s")
+    point["memory_after_reopen"] = fresh
+    point["rss_after_reopen_mb"] = fresh["rss_mb"]
+    return point
+
+
+def measure_kept(data_dir: Path, out: str, n_queries: int) -> None:
+    """--measure: time the searches, RSS, disk and reopen of a store an earlier --keep run filled
+    (say after a change to the search path), without filling again."""
+    from sqlalchemy import func, select
+
+    from memory_server.auth import Principal
+    from memory_server.config import Settings
+    from memory_server.models import MemoryRecord
+    from memory_server.runtime import Runtime
+
+    principal = Principal(tenant_id="bench", key_id="bench", role="admin")
+    rt = Runtime.open(Settings(data_dir=data_dir, query_cache_size=0), background=True)
+    with rt.engine.connect() as connection:
+        size = connection.execute(select(func.count()).select_from(MemoryRecord)).scalar()
+    result = {"machine": machine(), "notes": [f"an existing store ({data_dir}) measured again, not filled"],
+              "sizes": {str(size): measure_point(rt, principal, data_dir, n_queries)}}
+    print(write_result(out, result))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="10000,100000,1000000")
@@ -114,7 +146,13 @@ def main(argv=None):
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="fill the store in DIR (new or empty) and keep it afterwards, e.g. to profile search or "
                         "reopen at 1M without another fill (default: a temporary directory, removed)")
+    p.add_argument("--measure", type=Path, metavar="DIR",
+                   help="measure the store in DIR (filled by an earlier --keep run) again instead of filling one")
     a = p.parse_args(argv)
+    if a.measure is not None:
+        if not (a.measure / "index").is_dir():
+            p.error(f"--measure {a.measure}: not a data directory filled by --keep")
+        return measure_kept(a.measure, a.out, a.queries)
     if a.keep is not None and a.keep.exists() and any(a.keep.iterdir()):
         p.error(f"--keep {a.keep}: the directory is not empty")
 
@@ -155,16 +193,8 @@ def main(argv=None):
             started = time.perf_counter()
             rt.index.optimize()
             optimize_s = time.perf_counter() - started
-            point = {"batch_add_per_s": round(loaded / add_seconds, 1), "optimize_s": round(optimize_s, 1)}
-            point["search"] = measure_size(rt, principal, a.queries)
-            point["memory_filling_process"] = memory_mb()
-            point["rss_mb"] = point["memory_filling_process"]["rss_mb"]
-            point["disk_mb"] = round(disk_mb(tmp), 1)
-            rt.close()
-            fresh = reopen_in_fresh_process(tmp)
-            point["reopen_s"] = fresh.pop("reopen_s")
-            point["memory_after_reopen"] = fresh
-            point["rss_after_reopen_mb"] = fresh["rss_mb"]
+            point = {"batch_add_per_s": round(loaded / add_seconds, 1), "optimize_s": round(optimize_s, 1),
+                     **measure_point(rt, principal, tmp, a.queries)}
             rt = Runtime.open(settings, background=True)
             result["sizes"][str(size)] = point
             write_result(a.out, result)  # after every size, so a long 1M run keeps the smaller points

@@ -202,6 +202,7 @@ def write():
     million = _load("service-latency-1m")  # the 1M point is usually run on its own (~30 min)
     if latency and million:
         latency["sizes"].update(million["sizes"])
+        latency.setdefault("notes", []).extend(n for n in million.get("notes", []) if n not in latency["notes"])
         if million["machine"].get("cpu") != latency["machine"].get("cpu"):
             latency.setdefault("notes", []).append(
                 f"the {', '.join(f'{int(n):,}' for n in million['sizes'])} row(s): a run of their own "

@@ -13,11 +13,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.workload import machine, memories, percentiles, queries, write_result
+from bench.workload import iter_memories, machine, percentiles, queries, write_result
 
 
 def rss_mb() -> float:
@@ -39,6 +40,7 @@ def memory_mb() -> dict:
 
 _REOPEN = """
 import json, sys, time
+from itertools import islice
 from pathlib import Path
 from bench.service_latency import memory_mb
 from bench.workload import percentiles, queries
@@ -178,12 +180,12 @@ def main(argv=None):
         # With the maintenance thread, as in the server: it optimises the index every
         # MEMORY_SERVER_INDEX_OPTIMIZE_EVERY applied changes during the fill.
         rt = Runtime.open(settings, background=True)
-        data = memories(sizes[-1], seed=3)
+        data = iter_memories(sizes[-1], seed=3)  # one chunk at a time: the list would be RSS of its own
         loaded, add_seconds = 0, 0.0
         for size in sizes:
             bar = tqdm(total=size - loaded, desc=f"fill to {size}", unit="mem")
             while loaded < size:
-                chunk = [AddRequest(text=t, user_id=u) for u, t in data[loaded:min(size, loaded + 1000)]]
+                chunk = [AddRequest(text=t, user_id=u) for u, t in islice(data, min(size - loaded, 1000))]
                 started = time.perf_counter()
                 rt.memories.add_batch(principal, chunk)
                 add_seconds += time.perf_counter() - started

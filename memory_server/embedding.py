@@ -12,18 +12,23 @@ different models for the index (`name` carries the suffix), so their vectors are
 
 import hashlib
 import json
+import logging
 import os
 import queue
+import subprocess
+import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 import warnings
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from memory_server.errors import StartupError
+
+log = logging.getLogger("memory_server")
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 # The int8 model's kind: activations quantised per token, weights to 7 bits (memory_server/quantize.py).
@@ -299,13 +304,41 @@ def onnx_model_files(path: str, model_dir: Path, quantize: str = "none") -> tupl
     """(model file, meta file) for the onnx backend: exported from the sentence-transformers model
     (and quantised) on first use into `model_dir`, reused on every later start. `serve --workers N`
     calls it once before starting the workers, so that they do not all export at once (a worker
-    busy exporting misses uvicorn's liveness pings and is restarted)."""
+    busy exporting misses uvicorn's liveness pings and is restarted).
+
+    The export runs in a child process: it imports torch, transformers and onnx (~300 MB that a
+    process keeps once imported), which the serving process never needs again."""
     fingerprint = hashlib.sha256(str(Path(path).resolve() if Path(path).exists() else path).encode()).hexdigest()[:12]
     onnx_file = model_dir / f"{Path(path).name}-{fingerprint}.onnx"
     meta_file = onnx_file.with_suffix(".meta")
+    model_file = _quantized_path(onnx_file) if quantize == "int8" else onnx_file
+    if not model_file.exists() or not meta_file.exists():
+        _prepare_in_child(path, onnx_file, quantize)
+    return model_file, meta_file
+
+
+def _prepare_in_child(path: str, onnx_file: Path, quantize: str) -> None:
+    log.info("exporting the embedding model to %s (once; a few seconds)", onnx_file.parent)
+    script = ("import sys; from pathlib import Path; from memory_server.embedding import prepare_model_files; "
+              "prepare_model_files(sys.argv[1], Path(sys.argv[2]), sys.argv[3])")
+    package_root = str(Path(__file__).resolve().parent.parent)  # importable however this process found it
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", script, path, str(onnx_file), quantize], capture_output=True,
+                          text=True, env=env)
+    if done.returncode != 0:
+        log.debug("the export's output:\n%s", done.stderr)
+        reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise StartupError(f"could not export the embedding model {path} to ONNX in {onnx_file.parent}: {reason}")
+
+
+def prepare_model_files(path: str, onnx_file: Path, quantize: str) -> None:
+    """The export (and int8 copy) itself; what onnx_model_files runs in a child process."""
+    meta_file = onnx_file.with_suffix(".meta")
     if not onnx_file.exists() or not meta_file.exists():
         _export(path, onnx_file, meta_file)
-    return (_quantized(onnx_file) if quantize == "int8" else onnx_file), meta_file
+    if quantize == "int8":
+        _quantized(onnx_file)
 
 
 def _export(path: str, onnx_file: Path, meta_file: Path) -> None:
@@ -337,10 +370,14 @@ def _export(path: str, onnx_file: Path, meta_file: Path) -> None:
     meta_file.write_text(f"{_dimension(model)} {model.max_seq_length}")
 
 
+def _quantized_path(onnx_file: Path) -> Path:
+    return onnx_file.with_name(f"{onnx_file.stem}-int8-{QUANTIZED_SUFFIX}.onnx")
+
+
 def _quantized(onnx_file: Path) -> Path:
     """The int8 copy of an exported model (per-channel weights, per-token activations: see
     memory_server/quantize.py), made once next to it."""
-    target = onnx_file.with_name(f"{onnx_file.stem}-int8-{QUANTIZED_SUFFIX}.onnx")
+    target = _quantized_path(onnx_file)
     if not target.exists():
         from memory_server.quantize import quantize_per_token
 

@@ -132,7 +132,6 @@ class Runtime:
                 if self.sync.applied_since_optimize >= self.settings.index_optimize_every:
                     self.sync.applied_since_optimize = 0
                     self.index.optimize()
-                    allocator.release_free_memory()
             except Exception:  # keep maintaining; the next round retries
                 log.exception("maintenance round failed")
 

@@ -351,6 +351,28 @@ def test_onnx_tokenizer_gives_transformers_ids_without_importing_it(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_model_is_exported_in_a_child_process_the_server_never_holds_torch(tmp_path):
+    # A first start exports the model with torch and transformers (~300 MB that a process keeps
+    # once it has imported them): that happens in a child process, and a bad model names its cause.
+    import os
+    import subprocess
+    import sys
+
+    from memory_server.embedding import Embedder
+
+    script = (f"from pathlib import Path; import sys; from memory_server.embedding import Embedder; "
+              f"e = Embedder(model_dir=Path({str(tmp_path / 'models')!r})); "
+              f"print(e.embed_query('hello').shape, sorted(m for m in ('torch', 'transformers', 'onnx') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "(384,) []"
+    assert sorted(p.suffix for p in (tmp_path / "models").iterdir()) == [".meta", ".onnx", ".onnx"]
+    with pytest.raises(StartupError, match=r"could not export the embedding model .*missing-model.* not found"):
+        Embedder(str(tmp_path / "missing-model"), model_dir=tmp_path / "other")
+    assert not any((tmp_path / "other").glob("*.onnx"))
+
+
 def test_a_model_without_tokenizer_json_falls_back_to_transformers(tmp_path):
     import shutil
 

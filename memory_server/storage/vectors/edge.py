@@ -16,6 +16,7 @@ from typing import IO
 
 import qdrant_edge as qe
 
+from memory_server import allocator
 from memory_server.errors import StartupError
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
@@ -216,6 +217,10 @@ class EdgeIndex:
         # without it, every optimisation of a growing index left its whole previous copy behind
         # (2.9 GB on disk for 100k memories instead of ~0.6 GB).
         self._shard.flush()
+        # What the replaced segments and the optimisation itself held is free now; hand it back to
+        # the system, or the process keeps its high-water mark (every caller wants this: the
+        # maintenance thread, a rebuild, a bulk load).
+        allocator.release_free_memory()
 
     # -- reads -----------------------------------------------------------------------------
     def search(self, query: IndexQuery) -> list[Hit]:

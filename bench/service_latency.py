@@ -40,7 +40,6 @@ def memory_mb() -> dict:
 
 _REOPEN = """
 import json, sys, time
-from itertools import islice
 from pathlib import Path
 from bench.service_latency import memory_mb
 from bench.workload import percentiles, queries

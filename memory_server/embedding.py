@@ -20,8 +20,8 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -374,9 +374,9 @@ def _quantized_path(onnx_file: Path) -> Path:
     return onnx_file.with_name(f"{onnx_file.stem}-int8-{QUANTIZED_SUFFIX}.onnx")
 
 
-def _quantized(onnx_file: Path) -> Path:
-    """The int8 copy of an exported model (per-channel weights, per-token activations: see
-    memory_server/quantize.py), made once next to it."""
+def _quantized(onnx_file: Path) -> None:
+    """Makes the int8 copy of an exported model (per-channel weights, per-token activations: see
+    memory_server/quantize.py) once, next to it."""
     target = _quantized_path(onnx_file)
     if not target.exists():
         from memory_server.quantize import quantize_per_token
@@ -384,4 +384,3 @@ def _quantized(onnx_file: Path) -> Path:
         partial = target.with_suffix(f".{os.getpid()}.tmp")
         quantize_per_token(onnx_file, partial)
         os.replace(partial, target)
-    return target

@@ -70,6 +70,7 @@ def run_level(server, clients: int, duration: float, search_share: float = 0.8, 
     server_cpu, client_cpu, t0 = cpu_seconds(server.pid), time.process_time(), time.perf_counter()
     lat, errors = asyncio.run(_load(server, clients, duration, search_share, seed))
     wall = time.perf_counter() - t0
+    server_cpu = cpu_seconds(server.pid) - server_cpu
     done = len(lat["search"]) + len(lat["add"])
     return {
         "clients": clients, "seconds": wall, "requests": done, "throughput_rps": done / wall,
@@ -77,8 +78,10 @@ def run_level(server, clients: int, duration: float, search_share: float = 0.8, 
         "all": percentiles(lat["search"] + lat["add"]),
         "search": percentiles(lat["search"]), "add": percentiles(lat["add"]),
         # Share of one core each side used; both near 1.0+ on a 2-core box means the box is saturated.
-        "server_cpu_per_s": (cpu_seconds(server.pid) - server_cpu) / wall,
+        "server_cpu_per_s": server_cpu / wall,
         "client_cpu_per_s": (time.process_time() - client_cpu) / wall,
+        # What a request costs the server, whatever the box's speed or the number of clients.
+        "server_cpu_ms_per_request": 1000 * server_cpu / done if done else None,
     }
 
 
@@ -88,9 +91,15 @@ def main(argv=None):
     p.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level")
     p.add_argument("--prefill", type=int, default=10000)
     p.add_argument("--workers", default="1,2", help="server processes (`serve --workers`), one run each")
+    p.add_argument("--search-share", type=float, default=0.8,
+                   help="share of requests that are searches, the rest adds (1.0: searches only; 0.0: adds only), "
+                        "to tell what each kind of request costs")
     p.add_argument("--out", default="http")
     a = p.parse_args(argv)
-    result = {"machine": machine(), "prefill": a.prefill, "mix": "80% search / 20% add", "levels": [],
+    if not 0.0 <= a.search_share <= 1.0:
+        p.error("--search-share must be between 0 and 1")
+    mix = f"{a.search_share:.0%} search / {1 - a.search_share:.0%} add"
+    result = {"machine": machine(), "prefill": a.prefill, "mix": mix, "levels": [],
               "notes": ["query-embedding cache off (MEMORY_SERVER_QUERY_CACHE_SIZE=0): the synthetic queries "
                         "repeat far more often than real ones would, so every search embeds its query"]}
     for workers in (int(w) for w in a.workers.split(",")):
@@ -101,7 +110,7 @@ def main(argv=None):
             run_level(server, 4, min(5.0, a.duration))  # warm-up (every worker up), not reported
             for clients in (int(c) for c in a.clients.split(",")):
                 print(f"http: {workers} worker(s), {clients} clients for {a.duration:.0f}s ...", flush=True)
-                level = {"workers": workers, **run_level(server, clients, a.duration)}
+                level = {"workers": workers, **run_level(server, clients, a.duration, a.search_share)}
                 print(f"  {level['throughput_rps']:.0f} req/s, p99 {level['all'].get('p99_ms', 0):.0f} ms, "
                       f"{level['errors']} errors", flush=True)
                 result["levels"].append(level)

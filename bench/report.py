@@ -139,7 +139,10 @@ def part3(http):
     rows = [[lv.get("workers", 1), lv["clients"], _f(lv["throughput_rps"]), _f(lv["all"].get("p50_ms")),
              _f(lv["all"].get("p95_ms")),
              _f(lv["all"].get("p99_ms")), _f(lv["search"].get("p99_ms")), _f(lv["add"].get("p99_ms")),
-             lv["errors"], f"{lv['server_cpu_per_s']:.2f} / {lv['client_cpu_per_s']:.2f}"] for lv in http["levels"]]
+             lv["errors"], f"{lv['server_cpu_per_s']:.2f} / {lv['client_cpu_per_s']:.2f}",
+             # Server CPU a request: what bounds the throughput of a saturated box (bench/analysis.md).
+             f"{1000 * lv['server_cpu_per_s'] / lv['throughput_rps']:.1f}" if lv["throughput_rps"] else "-"]
+            for lv in http["levels"]]
     import matplotlib.pyplot as plt
     IMG.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -160,7 +163,7 @@ def part3(http):
             f"{http['machine']['cpus']}-core machine as the server (CPU columns: cores used by the server's processes "
             "/ the client); workers = `serve --workers`.\n\n"
             + _table(["workers", "clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",
-                      "CPU server / client"], rows)
+                      "CPU server / client", "server CPU ms / request"], rows)
             + "\n\n" + "\n".join(f"- {n}" for n in http.get("notes", []))
             + "\n\n![http latency](benchmarks/part3-http-latency.png)\n")
 

@@ -1,0 +1,119 @@
+"""The benchmark's own arithmetic: what bench/ reports is only as right as the code that counts it.
+
+The LoCoMo runner runs end to end against a real server on a small file in LoCoMo's layout (the
+real dataset is CC BY-NC and never in the repository), so the recall it reports is checked against
+answers worked out by hand.
+"""
+
+import json
+
+import pytest
+
+from bench import locomo
+from bench.workload import iter_memories, memories, percentiles, queries, user_id
+from conftest import make_settings, start_server
+
+
+def test_percentiles_are_nearest_rank_in_milliseconds():
+    latencies = [i / 1000 for i in range(1, 101)]  # 1 ms .. 100 ms
+    result = percentiles(latencies)
+    assert result == {"n": 100, "p50_ms": pytest.approx(50), "p95_ms": pytest.approx(95),
+                      "p99_ms": pytest.approx(99), "mean_ms": pytest.approx(50.5)}
+    assert percentiles([0.004]) == {"n": 1, "p50_ms": 4.0, "p95_ms": 4.0, "p99_ms": 4.0, "mean_ms": 4.0}
+    assert percentiles([]) == {"n": 0}
+
+
+def test_the_workload_is_seeded_and_spreads_memories_over_all_users():
+    first = memories(2000)
+    assert first == memories(2000) == list(iter_memories(2000))  # the same data on both sides, every run
+    assert memories(2000, seed=8) != first
+    assert len({user for user, _ in first[:1000]}) == 1000  # any prefix of 1,000 spans every user
+    assert first[1000][0] == first[0][0] == user_id(0) == "user-0000"
+    assert all(text.endswith(".") and text[0].isupper() for _, text in first)
+    assert queries(50) == queries(50) and len({q for _, q in queries(500)}) > 100
+
+
+def test_locomo_evidence_ids_are_normalised():
+    assert locomo.evidence_ids(["D1:3"]) == ["D1:3"]
+    assert locomo.evidence_ids(["D:11:26", "D30:05"]) == ["D11:26", "D30:5"]
+    assert locomo.evidence_ids(["D8:6; D9:17"]) == ["D8:6", "D9:17"]
+    assert locomo.evidence_ids([]) == locomo.evidence_ids(None) == []
+
+
+def _conversation(sample_id: str, speakers: tuple[str, str], sessions: dict[int, list[tuple[str, str]]], qa: list):
+    conversation = {"speaker_a": speakers[0], "speaker_b": speakers[1]}
+    for n, turns in sessions.items():
+        conversation[f"session_{n}_date_time"] = f"1:00 pm on {n} May, 2023"
+        conversation[f"session_{n}"] = [
+            {"speaker": speakers[i % 2], "dia_id": f"D{n}:{i + 1}", "text": text, **({"blip_caption": caption} if caption else {})}
+            for i, (text, caption) in enumerate(turns)]
+    return {"sample_id": sample_id, "conversation": conversation, "qa": qa}
+
+
+SAMPLES = [
+    _conversation("conv-a", ("Caroline", "Melanie"), {
+        # session_10 sorts before session_2 as text; the runner orders sessions by number.
+        10: [("I finally adopted a greyhound and named him Biscuit.", None), ("Congratulations, he looks lovely!", None)],
+        2: [("I started pottery classes on Thursdays.", "a photo of a clay bowl"), ("That sounds relaxing.", None)],
+    }, [
+        {"question": "What did Caroline name her greyhound?", "answer": "Biscuit", "evidence": ["D10:1"], "category": 4},
+        {"question": "Which classes did Caroline start, and what did she make?", "answer": "pottery, a bowl",
+         "evidence": ["D2:1", "D:99:1"], "category": 1},  # the second id names no turn: it stays in the denominator
+        {"question": "What is Melanie's favourite film?", "evidence": [], "category": 5},
+    ]),
+    _conversation("conv-b", ("Jon", "Gina"), {
+        1: [("My dance studio opens in the spring.", None), ("Gina, your greyhound photos are great.", None)],
+    }, [
+        {"question": "When does Jon's dance studio open?", "answer": "spring", "evidence": ["D1:1"], "category": 2},
+    ]),
+]
+
+
+def test_locomo_turns_follow_the_protocol():
+    turns = list(locomo.turns(SAMPLES[0]))
+    assert [dia for dia, *_ in turns] == ["D2:1", "D2:2", "D10:1", "D10:2"]
+    assert turns[0] == ("D2:1", 'Caroline said, "I started pottery classes on Thursdays." and shared a photo of a clay bowl',
+                        2, "1:00 pm on 2 May, 2023")
+    assert turns[1][1] == 'Melanie said, "That sounds relaxing."'
+
+
+@pytest.fixture
+def sqlite_server(tmp_path, embedder):
+    live, stop = start_server(make_settings(tmp_path / "data"), embedder)
+    yield live
+    stop()
+
+
+def test_locomo_runner_scores_a_file_in_locomo_layout_through_the_server(sqlite_server, tmp_path):
+    path = tmp_path / "mini-locomo.json"
+    path.write_text(json.dumps(SAMPLES))
+    with sqlite_server.client() as client:
+        result = locomo.run(client, path)
+
+        # Every turn is a memory of its conversation's scope, with its dia_id and session date.
+        stored = client.get("/v1/memories", params={"user_id": "conv-a"}).json()["results"]
+        assert sorted(m["metadata"]["dia_id"] for m in stored) == ["D10:1", "D10:2", "D2:1", "D2:2"]
+        biscuit = next(m for m in stored if m["metadata"]["dia_id"] == "D10:1")
+        assert biscuit["memory"] == 'Caroline said, "I finally adopted a greyhound and named him Biscuit."'
+        assert biscuit["metadata"]["date"] == "1:00 pm on 10 May, 2023" and biscuit["metadata"]["session"] == 10
+
+    assert result["conversations"] == 2 and result["questions"] == 4
+    assert result["load"] == {"turns": 6, "events": {"ADD": 6}}
+    assert set(result["modes"]) == {"dense", "keyword", "hybrid"}
+    for mode, scores in result["modes"].items():
+        assert set(scores) == {"single-hop", "multi-hop", "adversarial", "temporal", "overall"}, mode
+        assert scores["overall"]["n"] == 4
+        # A question without evidence counts as found at every k.
+        assert all(scores["adversarial"][f"recall@{k}"] == 1.0 for k in locomo.KS), mode
+        # Conversation a has 4 turns, b has 2: with top_k 25 every turn of the scope comes back, so
+        # recall@25 is exact: 1 where every evidence id names a turn, 1/2 where one of two names none.
+        assert scores["single-hop"]["recall@25"] == scores["temporal"]["recall@25"] == 1.0, mode
+        assert scores["multi-hop"]["recall@25"] == 0.5, mode
+        assert scores["overall"]["recall@25"] == pytest.approx((1 + 0.5 + 1 + 1) / 4), mode
+        # Conversation b's greyhound turn never answers conversation a's question: scopes stay apart.
+        assert scores["single-hop"]["recall@1"] == 1.0, mode
+    assert result["modes"]["keyword"]["temporal"]["recall@1"] == 1.0
+    for k in locomo.KS:  # the overall figure is the question-weighted mean of the categories
+        categories = [v for name, v in result["modes"]["hybrid"].items() if name != "overall"]
+        mean = sum(v["n"] * v[f"recall@{k}"] for v in categories) / sum(v["n"] for v in categories)
+        assert result["modes"]["hybrid"]["overall"][f"recall@{k}"] == pytest.approx(mean)

@@ -1,6 +1,8 @@
 """One contract for both VectorIndex backends (Qdrant Edge, Qdrant server via qdrant-client),
 and a congruence check: the same data gives the same ids in the same order on both."""
 
+from datetime import datetime, timedelta, timezone
+
 import pytest
 
 from conftest import make_settings
@@ -8,6 +10,7 @@ from memory_server.runtime import Runtime
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 from memory_server.storage.vectors import IndexPoint, IndexQuery, SparseVector
 from memory_server.storage.vectors.filters import All, Any_, Field, Not
+from memory_server.storage.vectors.qdrant import QdrantServerIndex
 
 BACKENDS = {"edge": None, "qdrant": ":memory:"}  # ":memory:" = qdrant-client's in-process stand-in server
 
@@ -154,3 +157,26 @@ def test_edge_and_qdrant_server_return_the_same_ids_in_the_same_order(tmp_path, 
     finally:
         qdrant_index.close()
         rt.close()
+
+
+def test_an_index_says_when_it_may_hold_expired_points(backend_runtime, admin):
+    index, memories = backend_runtime.index, backend_runtime.memories
+    now = datetime.now(timezone.utc)
+    if isinstance(index, QdrantServerIndex):
+        # A shared Qdrant collection is written by every process: this one can never be sure.
+        assert index.may_hold_expired(now.timestamp())
+        return
+    assert not index.may_hold_expired(now.timestamp())  # empty
+    later = memories.add(admin, AddRequest(text="Lou's parking permit", user_id="lou",
+                                           expires_at=now + timedelta(seconds=60))).results[0].id
+    memories.add(admin, AddRequest(text="Lou likes jazz", user_id="lou"))
+    assert not index.may_hold_expired(now.timestamp())
+    assert index.may_hold_expired((now + timedelta(seconds=61)).timestamp())
+    sooner = memories.add(admin, AddRequest(text="Lou's guest pass", user_id="lou",
+                                            expires_at=now + timedelta(seconds=30))).results[0].id
+    assert index.may_hold_expired((now + timedelta(seconds=31)).timestamp())
+    memories.delete(admin, sooner)  # gone: only the 60-s one is left to expire
+    assert not index.may_hold_expired((now + timedelta(seconds=31)).timestamp())
+    memories.update(admin, later, UpdateRequest(expires_at=None))  # never expires now
+    assert not index.may_hold_expired((now + timedelta(seconds=61)).timestamp())
+    assert not index.may_hold_expired(datetime(9000, 1, 1, tzinfo=timezone.utc).timestamp())

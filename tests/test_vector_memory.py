@@ -349,3 +349,23 @@ def test_an_expired_memory_is_no_duplicate_of_a_new_one(runtime, admin):
     near = runtime.memories.add(admin, AddRequest(text="Jude lives in Lagos, Nigeria", user_id="jude")).results[0]
     assert exact.event == "ADD" and exact.id != old.results[0].id
     assert near.event == "NOOP" and near.id == exact.id  # a near duplicate of the live one only
+
+
+def test_a_hit_that_expired_unseen_by_the_index_costs_no_result(runtime, admin):
+    # The index leaves the expiry condition out of its query when it knows of no expired point. Should
+    # one come back all the same (an old change applied between its answer and the check), the
+    # search asks again with the condition: top_k results, none expired, as with the condition.
+    from memory_server.schemas import AddRequest, SearchRequest
+
+    soon = datetime.now(timezone.utc) + timedelta(seconds=1)
+    expired = runtime.memories.add(admin, AddRequest(text="Kim's locker code is 5521", user_id="kim", expires_at=soon))
+    for text in ("Kim keeps a spare locker key at home", "Kim's gym locker is number 12", "Kim bikes to work"):
+        runtime.memories.add(admin, AddRequest(text=text, user_id="kim"))
+    time.sleep(1.2)  # expired; no maintenance thread here, so it stays in the index
+    request = SearchRequest(query="locker code", filters={"user_id": "kim"}, top_k=3)
+    exact = runtime.memories.search(admin, request)
+    runtime.index._earliest_expiry = float("inf")  # as if the index had not seen the expired point
+    assert not runtime.index.may_hold_expired(time.time())
+    unseen = runtime.memories.search(admin, request)
+    assert [m.id for m in unseen] == [m.id for m in exact] and len(exact) == 3
+    assert expired.results[0].id not in {m.id for m in exact}

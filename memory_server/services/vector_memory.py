@@ -262,12 +262,26 @@ class VectorMemory:
         except Exception:  # answer from the index as it is; the maintenance thread retries
             log.exception("vector index could not follow the change log")
         now = utcnow()
-        full = All((restrict(principal, condition), Field("expires_at", "gt", now.timestamp())))
+        scope = restrict(principal, condition)
+        # Expired memories wait in the index for the expiry sweep. The index query filters them out
+        # only when the index may hold one: the condition is checked on each of the scope's points
+        # (~0.5 ms of a dense query for one user at 1M memories). Rows are checked for expiry either
+        # way; should a hit be expired all the same (an old change the index applied just now), the
+        # search runs again with the condition: never fewer results than with it all along.
+        expiring = self.index.may_hold_expired(now.timestamp())
+        results, expired = self._search(principal, request, scope, now, expiring)
+        if expired and not expiring:
+            results, _ = self._search(principal, request, scope, now, True)
+        return results
+
+    def _search(self, principal: Principal, request: SearchRequest, scope: Condition, now: datetime,
+                expiring: bool) -> tuple[list[ScoredMemory], bool]:
+        """The search's results, and whether a hit was left out because it had expired."""
         settings = self.settings
         weights = (settings.hybrid_dense_weight, settings.hybrid_keyword_weight)
         query = IndexQuery(
             mode=request.mode,
-            filter=full,
+            filter=All((scope, Field("expires_at", "gt", now.timestamp()))) if expiring else scope,
             limit=request.top_k + TIE_MARGIN,
             dense=self.embedder.embed_query(request.query).tolist() if request.mode != "keyword" else None,
             sparse=self.sparse.query(request.query) if request.mode != "dense" else None,
@@ -284,18 +298,19 @@ class VectorMemory:
         if request.threshold is not None:
             scored = [(i, s) for i, s in scored if s >= request.threshold]
         if not scored:
-            return []
+            return [], False
         # By primary key alone: with the tenant in the WHERE clause too, SQLite may walk the tenant's
         # index instead. Tenant and expiry are checked on the rows. Plain rows, no ORM session: the
         # session and the statement's construction cost more than the lookup itself.
         with self.engine.connect() as connection:
-            found = connection.execute(_HIT_ROWS, {"ids": [i for i, _ in scored]})
-            rows = {r.id: r for r in found if r.tenant_id == principal.tenant_id
-                    and (r.expires_at is None or r.expires_at > now)}
-        return [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
-                             metadata=r.meta, created_at=r.created_at, updated_at=r.updated_at,
-                             expires_at=r.expires_at, hash=r.hash, score=s)
-                for i, s in scored if (r := rows.get(i)) is not None]
+            found = [r for r in connection.execute(_HIT_ROWS, {"ids": [i for i, _ in scored]})
+                     if r.tenant_id == principal.tenant_id]
+        rows = {r.id: r for r in found if r.expires_at is None or r.expires_at > now}
+        results = [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
+                                metadata=r.meta, created_at=r.created_at, updated_at=r.updated_at,
+                                expires_at=r.expires_at, hash=r.hash, score=s)
+                   for i, s in scored if (r := rows.get(i)) is not None]
+        return results, len(rows) < len(found)
 
     # -- read, update, delete --------------------------------------------------------------
     def _load(self, session: Session, principal: Principal, memory_id: str) -> MemoryRecord:

@@ -64,6 +64,10 @@ class VectorIndex(Protocol):
     def search_batch(self, queries: list[IndexQuery]) -> list[list[Hit]]:
         """One hit list per query, in order; planned and run together (a batch add's duplicate checks)."""
 
+    def may_hold_expired(self, now: float) -> bool:
+        """False only when the index is sure that none of its points expires at or before `now`
+        (payload `expires_at`, epoch seconds): a search may then leave the expiry condition out."""
+
     def applied_position(self) -> int: ...
 
     def set_applied_position(self, position: int) -> None: ...

@@ -83,6 +83,10 @@ class QdrantServerIndex:
     def search(self, query: IndexQuery) -> list[Hit]:
         return self.search_batch([query])[0]
 
+    def may_hold_expired(self, now: float) -> bool:
+        # The collection is shared: other processes write to it, so this one cannot know what it holds.
+        return True
+
     def search_batch(self, queries: list[IndexQuery]) -> list[list[Hit]]:
         requests = [_request(query) for query in queries]
         runnable = [request for request in requests if request is not None]

@@ -180,3 +180,25 @@ def test_an_index_says_when_it_may_hold_expired_points(backend_runtime, admin):
     memories.update(admin, later, UpdateRequest(expires_at=None))  # never expires now
     assert not index.may_hold_expired((now + timedelta(seconds=61)).timestamp())
     assert not index.may_hold_expired(datetime(9000, 1, 1, tzinfo=timezone.utc).timestamp())
+
+
+def test_an_edge_index_that_cannot_tell_keeps_the_expiry_condition(runtime):
+    class ShardWithoutOrderedScroll:  # as if the shard had no range index on expires_at
+        def __init__(self, shard):
+            self.shard = shard
+
+        def scroll(self, request):
+            raise RuntimeError("no range index for order_by")
+
+        def __getattr__(self, name):
+            return getattr(self.shard, name)
+
+    index = runtime.index
+    real, index._earliest_expiry = index._shard, None
+    index._shard = ShardWithoutOrderedScroll(real)
+    try:
+        assert index.may_hold_expired(datetime.now(timezone.utc).timestamp())
+    finally:
+        index._shard = real
+    index._earliest_expiry = None
+    assert not index.may_hold_expired(datetime.now(timezone.utc).timestamp())  # empty, and it can tell again

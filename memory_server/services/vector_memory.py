@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import uuid
+from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -268,30 +269,29 @@ class VectorMemory:
         # (~0.5 ms of a dense query for one user at 1M memories). Rows are checked for expiry either
         # way; should a hit be expired all the same (an old change the index applied just now), the
         # search runs again with the condition: never fewer results than with it all along.
-        expiring = self.index.may_hold_expired(now.timestamp())
-        results, expired = self._search(principal, request, scope, now, expiring)
-        if expired and not expiring:
-            results, _ = self._search(principal, request, scope, now, True)
-        return results
-
-    def _search(self, principal: Principal, request: SearchRequest, scope: Condition, now: datetime,
-                expiring: bool) -> tuple[list[ScoredMemory], bool]:
-        """The search's results, and whether a hit was left out because it had expired."""
+        expiring = All((scope, Field("expires_at", "gt", now.timestamp())))
         settings = self.settings
-        weights = (settings.hybrid_dense_weight, settings.hybrid_keyword_weight)
         query = IndexQuery(
             mode=request.mode,
-            filter=All((scope, Field("expires_at", "gt", now.timestamp()))) if expiring else scope,
+            filter=expiring if self.index.may_hold_expired(now.timestamp()) else scope,
             limit=request.top_k + TIE_MARGIN,
             dense=self.embedder.embed_query(request.query).tolist() if request.mode != "keyword" else None,
             sparse=self.sparse.query(request.query) if request.mode != "dense" else None,
             candidates=max(settings.search_candidates, request.top_k),
             rrf_k=settings.rrf_k,
-            weights=weights,
+            weights=(settings.hybrid_dense_weight, settings.hybrid_keyword_weight),
         )
+        results, expired = self._answer(principal, request, query, now)
+        if expired and query.filter is scope:
+            results, _ = self._answer(principal, request, replace(query, filter=expiring), now)
+        return results
+
+    def _answer(self, principal: Principal, request: SearchRequest, query: IndexQuery,
+                now: datetime) -> tuple[list[ScoredMemory], bool]:
+        """The index query's hits as results, and whether a hit was left out because it had expired."""
         hits = self.index.search(query)
-        used = weights if query.sparse and query.sparse.indices else weights[:1]
-        scored = [(hit.id, normalize_score(request.mode, hit.score, settings.rrf_k, used)) for hit in hits]
+        used = query.weights if query.sparse and query.sparse.indices else query.weights[:1]
+        scored = [(hit.id, normalize_score(request.mode, hit.score, query.rrf_k, used)) for hit in hits]
         # Equal scores (common in RRF) are ordered by id, so every backend and every replica
         # returns the same results in the same order.
         scored = sorted(scored, key=lambda pair: (-pair[1], pair[0]))[:request.top_k]

@@ -113,10 +113,23 @@ def percentiles(latencies_s: list[float]) -> dict:
 
 def machine() -> dict:
     import os
-    # The load average at the start tells whether something else was competing for the CPUs.
+    # The load average at the start tells whether something else was competing for the CPUs; the
+    # loop's time whether the box itself ran slow (write_result times it again at the end).
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_1m": os.getloadavg()[0],
-            **_processor()}
+            "python_loop_s": python_loop_s(), **_processor()}
+
+
+def python_loop_s() -> float:
+    """Seconds a bare Python loop of 10^7 additions takes, from 2 x 10^6 of them (~0.2 s). The shared
+    machines these benchmarks run on have changed speed by 2x within an hour with nothing else running
+    (bench/analysis.md, rounds 10 and 11): a result whose loop time moved between its start and its end
+    ran on a box that changed under it."""
+    started = time.perf_counter()
+    total = 0
+    for i in range(2_000_000):
+        total += i
+    return round((time.perf_counter() - started) * 5, 2)
 
 
 # The model's speed depends most on these: the int8 model ran ~4x faster on a 2-core Zen 5 with
@@ -137,6 +150,8 @@ def _processor() -> dict:
 
 
 def write_result(name: str, data: dict) -> Path:
+    if "machine" in data:
+        data["machine"]["python_loop_s_at_end"] = python_loop_s()
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench import locomo
+from bench import locomo, report, workload
 from bench.workload import iter_memories, memories, percentiles, queries, user_id
 from conftest import make_settings, start_server
 
@@ -31,6 +31,21 @@ def test_the_workload_is_seeded_and_spreads_memories_over_all_users():
     assert first[1000][0] == first[0][0] == user_id(0) == "user-0000"
     assert all(text.endswith(".") and text[0].isupper() for _, text in first)
     assert queries(50) == queries(50) and len({q for _, q in queries(500)}) > 100
+
+
+def test_a_result_records_the_machine_speed_at_its_start_and_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(workload, "RESULTS_DIR", tmp_path)
+    result = {"machine": workload.machine(), "sizes": {}}
+    start = result["machine"]["python_loop_s"]
+    assert 0 < start < 60
+    path = workload.write_result("speed", result)
+    assert path == tmp_path / "speed.json"
+    written = json.loads(path.read_text())["machine"]
+    assert written["python_loop_s"] == start and 0 < written["python_loop_s_at_end"] < 60
+    assert report._conditions({"loadavg_1m": 0.42, "python_loop_s": 0.86, "python_loop_s_at_end": 1.35}) == \
+        " (load 0.4, loop 0.86→1.35 s)"
+    assert report._conditions({"loadavg_1m": 1.5}) == " (load 1.5)"
+    assert report._conditions({}) == ""
 
 
 def test_locomo_evidence_ids_are_normalised():

@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     sync_interval_seconds: float = Field(1.0, gt=0)
     index_optimize_every: int = Field(20000, ge=100)
     index_search_threads: int = Field(1, ge=0, le=256)  # Qdrant Edge search pool; 0 = one per CPU
+    warm_database: bool = True  # read the SQLite file into the page cache at start when it fits
     request_threads: int = Field(12, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
     log_level: str = "INFO"
 

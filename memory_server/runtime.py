@@ -17,7 +17,7 @@ from memory_server.errors import StartupError
 from memory_server.models import ApiKey
 from memory_server.services.index_sync import IndexSync
 from memory_server.services.vector_memory import VectorMemory
-from memory_server.storage.db import create_schema, make_engine, ping
+from memory_server.storage.db import create_schema, make_engine, ping, warm_sqlite_file
 from memory_server.storage.vectors import VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
 
@@ -101,6 +101,8 @@ class Runtime:
                                         model_dir=settings.resolved_model_dir,
                                         quantize=settings.embedding_quantize, threads=settings.embedding_threads)
         index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
+        if settings.warm_database:  # after the index has read its own files (see warm_sqlite_file)
+            warm_sqlite_file(engine)
         sparse = SparseEncoder()
         sync = IndexSync(engine, index, sparse)
         if index.outdated and not recreate_index:

@@ -90,6 +90,53 @@ def test_reopening_an_edge_shard_reads_its_warm_files_ahead_and_leaves_the_cold_
         second.close()
 
 
+def test_opening_reads_the_sqlite_file_ahead_unless_turned_off(settings, embedder, admin, monkeypatch):
+    from memory_server import runtime as runtime_module
+    from memory_server.storage import db
+
+    first = Runtime.open(settings, embedder=embedder)
+    fill(first, admin)
+    before = answers(first, admin)
+    first.close()
+    database = settings.data_dir / "memory.db"
+
+    calls = []
+    original = db.warm_sqlite_file
+
+    def spy(engine):
+        calls.append(original(engine))
+        return calls[-1]
+
+    monkeypatch.setattr(runtime_module, "warm_sqlite_file", spy)
+    second = Runtime.open(settings, embedder=embedder)
+    try:
+        # SQLite: the whole file, read before the runtime answers (PostgreSQL: nothing to read).
+        assert calls == ([0] if settings.database_url else [database.stat().st_size])
+        assert settings.database_url or calls[0] > 0
+        assert answers(second, admin) == before
+    finally:
+        second.close()
+    third = Runtime.open(settings.model_copy(update={"warm_database": False}), embedder=embedder)
+    third.close()
+    assert len(calls) == 1
+
+
+def test_warming_the_database_file_is_for_sqlite_files_that_fit_in_memory(tmp_path):
+    from sqlalchemy import create_engine
+
+    from memory_server.storage.db import warm_sqlite_file
+
+    path = tmp_path / "some.db"
+    path.write_bytes(b"x" * 10_000)
+    engine = create_engine(f"sqlite:///{path}")
+    assert warm_sqlite_file(engine, available=1 << 30) == 10_000
+    assert warm_sqlite_file(engine, available=19_999) == 0  # more than half of what is available
+    assert warm_sqlite_file(create_engine(f"sqlite:///{tmp_path / 'absent.db'}"), available=1 << 30) == 0
+    assert warm_sqlite_file(create_engine("sqlite://"), available=1 << 30) == 0
+    # PostgreSQL keeps its own cache; nothing is read (and no connection is made).
+    assert warm_sqlite_file(create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none"), available=1 << 30) == 0
+
+
 def test_read_ahead_takes_what_loading_reads_and_leaves_full_vectors_and_payloads(tmp_path):
     from memory_server.storage.vectors import edge
 

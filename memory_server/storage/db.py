@@ -1,6 +1,7 @@
 """The SQL engine: SQLite in the data directory by default, any SQLAlchemy URL otherwise."""
 
 import logging
+import os
 
 from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine
@@ -8,6 +9,7 @@ from sqlalchemy.schema import CreateIndex
 from sqlmodel import Session, SQLModel, create_engine
 
 from memory_server import models  # noqa: F401  (registers the tables)
+from memory_server.storage.files import read_whole
 
 log = logging.getLogger("memory_server")
 
@@ -35,6 +37,34 @@ def make_engine(url: str) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://"):]
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def warm_sqlite_file(engine: Engine, available: int | None = None) -> int:
+    """Read an SQLite database file once, start to end, so that its pages are in the page cache,
+    when it fits in half the memory available; returns the bytes read (0: not SQLite, no file, or
+    too large). A search reads its hits' rows by id, each on a page of its own: at 1M memories with
+    the file out of the page cache (after a reboot) those reads took ~4-6 ms of a ~10-ms search
+    (bench/analysis.md, round 11). `posix_fadvise(WILLNEED)` read only the first 8 MB here. A file
+    that would crowd the page cache is left to warm with use. Read while searches already ran (a
+    background thread), it doubled their latency for ~15 s: Runtime.open reads it before it answers."""
+    path = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not path or path == ":memory:" or not os.path.isfile(path):
+        return 0
+    size = os.path.getsize(path)
+    if size == 0 or size > (available if available is not None else _available_memory()) // 2:
+        return 0
+    return read_whole(path)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # Indexes of earlier versions that a current one replaces: dropped when the schema is checked.

@@ -7,7 +7,6 @@ change log, which keeps them all in step with the database.
 """
 
 import fcntl
-import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import qdrant_edge as qe
 
 from memory_server import allocator
 from memory_server.errors import StartupError
+from memory_server.storage.files import read_whole
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
 
@@ -308,21 +308,8 @@ def read_ahead(path: Path) -> int:
     time: at 1M memories, with nothing in the page cache (a server started after a reboot), the
     load took 8.7 s. Read first in large sequential reads, the same files (1.3 GB) took ~0.6-1.2 s
     and the load then 0.9 s. With the files already cached, this is a memory copy (~0.2 s at 1M)."""
-    files = warm_files(path)
-
-    def read(file: Path) -> int:
-        done = 0
-        try:
-            with open(file, "rb", buffering=0) as handle:
-                buffer = bytearray(min(4 << 20, max(1, os.fstat(handle.fileno()).st_size)))
-                while count := handle.readinto(buffer):
-                    done += count
-        except OSError:  # a file that vanished or cannot be read: the load itself will say what is wrong
-            pass
-        return done
-
     with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="index-read-ahead") as pool:
-        return sum(pool.map(read, files))
+        return sum(pool.map(read_whole, warm_files(path)))
 
 
 def _hits(points) -> list[Hit]:

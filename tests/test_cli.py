@@ -78,9 +78,12 @@ def test_walkthrough_cli_agent_key_add_search(served):
     created = run_cli("keys", "create", "--tenant", "default", "--role", "agent", "--user-id", "alice", data_dir=data_dir)
     agent_key = created.stdout.strip().splitlines()[-1]
     headers = {"Authorization": f"Bearer {agent_key}"}
-    added = httpx.post(f"{url}/v1/memories", headers=headers, json={"text": "Alice likes green tea"}).json()
-    assert added["results"][0]["event"] == "ADD"
-    found = httpx.post(f"{url}/v1/memories/search", headers=headers, json={"query": "what does alice drink"}).json()
+    response = httpx.post(f"{url}/v1/memories", headers=headers, json={"text": "Alice likes green tea"})
+    assert response.status_code == 200, (response.status_code, response.text, created.stdout)
+    assert response.json()["results"][0]["event"] == "ADD"
+    response = httpx.post(f"{url}/v1/memories/search", headers=headers, json={"query": "what does alice drink"})
+    assert response.status_code == 200, (response.status_code, response.text)
+    found = response.json()
     assert found["results"][0]["memory"] == "Alice likes green tea" and found["results"][0]["user_id"] == "alice"
 
 

@@ -1,5 +1,8 @@
 """Storage behaviour on SQLite and PostgreSQL: restart, reindex, crash repair, change-log replay."""
 
+import sqlite3
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +14,7 @@ from sqlmodel import Session, select
 from conftest import MODEL_DIR, make_settings
 from memory_server.errors import NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord
-from memory_server.runtime import Runtime
+from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
@@ -119,6 +122,47 @@ def test_opening_reads_the_sqlite_file_ahead_unless_turned_off(settings, embedde
     third = Runtime.open(settings.model_copy(update={"warm_database": False}), embedder=embedder)
     third.close()
     assert len(calls) == 1
+
+
+def test_warming_the_database_file_leaves_sqlite_locks_of_this_process_in_place(tmp_path, embedder, admin):
+    """SQLite's locks are POSIX locks: closing any descriptor of the database file drops every lock
+    this process holds on it. Another process that opens the file then believes it is alone: it
+    resets the WAL index and, closing, checkpoints and deletes the WAL under this process's open
+    connections ("database disk image is malformed", lost writes). The warm-up must not do that."""
+    settings = make_settings(tmp_path / "data")
+    first = Runtime.open(settings, embedder=embedder)
+    first.close()  # a file to warm at the next open
+    runtime = Runtime.open(settings, embedder=embedder)
+    database = settings.data_dir / "memory.db"
+    try:
+        ensure_bootstrap_key(runtime.engine, settings.data_dir)  # as the server does: a write in the WAL
+        # What `memory-server keys create` does meanwhile: its own connection, a write, a close.
+        in_another_process(database, "c.execute('CREATE TABLE elsewhere (x)'); c.execute('INSERT INTO elsewhere VALUES (1)')")
+        runtime.memories.add(admin, AddRequest(text="Quinn is vegetarian", user_id="quinn"))
+        runtime.memories.add(admin, AddRequest(text="Quinn drinks oat milk lattes", user_id="quinn"))
+        hits = runtime.memories.search(admin, SearchRequest(query="coffee order", filters={"user_id": "quinn"}))
+        assert hits[0].memory == "Quinn drinks oat milk lattes"
+        # Another process sees them (with the WAL deleted under it, this process wrote into a file
+        # no one else could open).
+        assert in_another_process(database, "print(c.execute('SELECT count(*) FROM memories').fetchone()[0])") == "2"
+    finally:
+        runtime.close()
+    connection = sqlite3.connect(database)
+    try:
+        assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert {t for (t,) in connection.execute("SELECT text FROM memories")} == {
+            "Quinn is vegetarian", "Quinn drinks oat milk lattes"}
+        assert connection.execute("SELECT x FROM elsewhere").fetchall() == [(1,)]
+    finally:
+        connection.close()
+
+
+def in_another_process(database: Path, code: str) -> str:
+    """Run `code` with `c`, an sqlite3 connection to `database`, in a new Python process, as the CLI's
+    commands do; commit, close, and return what it printed."""
+    script = f"import sqlite3, sys\nc = sqlite3.connect(sys.argv[1])\n{code}\nc.commit()\nc.close()"
+    return subprocess.run([sys.executable, "-c", script, str(database)], check=True, timeout=60, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def test_warming_the_database_file_is_for_sqlite_files_that_fit_in_memory(tmp_path):

@@ -9,7 +9,7 @@ from sqlalchemy.schema import CreateIndex
 from sqlmodel import Session, SQLModel, create_engine
 
 from memory_server import models  # noqa: F401  (registers the tables)
-from memory_server.storage.files import read_whole
+from memory_server.storage.files import read_whole_elsewhere
 
 log = logging.getLogger("memory_server")
 
@@ -46,14 +46,15 @@ def warm_sqlite_file(engine: Engine, available: int | None = None) -> int:
     the file out of the page cache (after a reboot) those reads took ~4-6 ms of a ~10-ms search
     (bench/analysis.md, round 11). `posix_fadvise(WILLNEED)` read only the first 8 MB here. A file
     that would crowd the page cache is left to warm with use. Read while searches already ran (a
-    background thread), it doubled their latency for ~15 s: Runtime.open reads it before it answers."""
+    background thread), it doubled their latency for ~15 s: Runtime.open reads it before it answers,
+    in a child process (read_whole_elsewhere says why)."""
     path = engine.url.database if engine.dialect.name == "sqlite" else None
     if not path or path == ":memory:" or not os.path.isfile(path):
         return 0
     size = os.path.getsize(path)
     if size == 0 or size > (available if available is not None else _available_memory()) // 2:
         return 0
-    return read_whole(path)
+    return read_whole_elsewhere(path)  # never in this process: see read_whole_elsewhere
 
 
 def _available_memory() -> int:

@@ -27,7 +27,8 @@ def read_whole_elsewhere(file: Path | str) -> int:
     its database file that way: a warm-up that opened and closed memory.db in the server process
     left the server's open connections without their shared lock, and the next process to close
     the database (`memory-server keys create`) checkpointed and deleted the WAL under them ("database
-    disk image is malformed", writes no other process could see). Costs one interpreter start (~20 ms)."""
+    disk image is malformed", writes no other process could see). Costs one interpreter start
+    (57-72 ms on a slowed 2-core box)."""
     try:
         # This module as a script: the standard library alone, no site-packages to import.
         done = subprocess.run([sys.executable, "-I", "-S", __file__, str(file)], capture_output=True, text=True,

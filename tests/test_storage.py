@@ -1,5 +1,6 @@
 """Storage behaviour on SQLite and PostgreSQL: restart, reindex, crash repair, change-log replay."""
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -415,10 +416,6 @@ def test_int8_weights_use_seven_bits_so_products_cannot_saturate_without_vnni():
 def test_onnx_tokenizer_gives_transformers_ids_without_importing_it(tmp_path):
     # The onnx backend tokenizes with the `tokenizers` library: importing transformers (and torch
     # with it) cost ~3.3 s and ~230 MB at every start.
-    import os
-    import subprocess
-    import sys
-
     from transformers import AutoTokenizer
 
     from memory_server.embedding import BUNDLED_MODEL, _Tokenizer, resolve_model_path
@@ -445,9 +442,6 @@ def test_onnx_tokenizer_gives_transformers_ids_without_importing_it(tmp_path):
 def test_the_model_is_exported_in_a_child_process_the_server_never_holds_torch(tmp_path):
     # A first start exports the model with torch and transformers (~300 MB that a process keeps
     # once it has imported them): that happens in a child process, and a bad model names its cause.
-    import os
-    import subprocess
-    import sys
 
     from memory_server.embedding import Embedder
 

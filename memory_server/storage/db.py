@@ -54,7 +54,7 @@ def warm_sqlite_file(engine: Engine, available: int | None = None) -> int:
     size = os.path.getsize(path)
     if size == 0 or size > (available if available is not None else _available_memory()) // 2:
         return 0
-    return read_whole_elsewhere(path)  # never in this process: see read_whole_elsewhere
+    return read_whole_elsewhere(path)
 
 
 def _available_memory() -> int:

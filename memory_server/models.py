@@ -1,5 +1,8 @@
 """SQL tables: the source of truth for memories, their history, the change log and API keys."""
 
+import os
+import time
+import uuid
 from datetime import datetime, timezone
 
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Integer, LargeBinary, String, Text
@@ -14,6 +17,19 @@ def embedding_input(text: str, context: str | None) -> str:
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def new_memory_id() -> str:
+    """A UUIDv7 (RFC 9562): 48 bits of Unix time in milliseconds, then 74 random bits. Ids made
+    later sort later, so a batch's new memories land at the end of the indexes keyed by id (the
+    primary key, history's memory_id) instead of each on a random page: at 100k memories a batch
+    of 1,000 with random (v4) ids dirtied ~1,000 pages of each such index, and its commit took 86
+    instead of 68 ms (bench/analysis.md, round 14). The id tells when the memory was made, which
+    `created_at` says anyway."""
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = ((time.time_ns() // 1_000_000) << 80 | 0x7 << 76 | (rand >> 62 & 0xFFF) << 64
+             | 0b10 << 62 | rand & (1 << 62) - 1)
+    return str(uuid.UUID(int=value))
 
 
 class UTCDateTime(TypeDecorator):

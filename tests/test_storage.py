@@ -4,6 +4,8 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +16,7 @@ from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
 from memory_server.errors import NotFound, StartupError, Unavailable
-from memory_server.models import ChangeLogEntry, MemoryRecord
+from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_id
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
@@ -308,6 +310,24 @@ def test_one_transaction_writes_row_embedding_and_log_entry(runtime, admin):
     assert [e.op for e in entries] == ["upsert"]
     positions = [e.position for e in Session(runtime.engine).exec(select(ChangeLogEntry).order_by(ChangeLogEntry.position))]
     assert positions == sorted(positions) and len(set(positions)) == len(positions)
+
+
+def test_memory_ids_are_uuid7_in_the_order_they_were_made(runtime, admin):
+    """Time-ordered ids keep a batch's rows at the end of the id-keyed indexes (see new_memory_id)."""
+    first = fill(runtime, admin, user="quinn")
+    time.sleep(0.002)  # the id's time is in milliseconds
+    later = fill(runtime, admin, user="rosa")
+    ids = [uuid.UUID(i) for i in first + later]
+    assert {(u.version, u.variant) for u in ids} == {(7, uuid.RFC_4122)}
+    assert max(first) < min(later)
+    made = runtime.memories.get(admin, later[0]).created_at
+    assert abs((ids[-1].int >> 80) - made.timestamp() * 1000) < 1000  # the id's 48 bits of Unix milliseconds
+    many = [new_memory_id() for _ in range(10_000)]
+    assert len(set(many)) == len(many)
+    assert all(uuid.UUID(i).version == 7 for i in many[:100])
+    # Stored and searched like any other id: the same rows come back from SQL and the index.
+    found = runtime.memories.search(admin, SearchRequest(query="vegetarian", filters={"user_id": "rosa"}, top_k=1))
+    assert [h.id for h in found] == [later[0]]
 
 
 def test_failed_batch_writes_nothing(runtime, admin):

@@ -24,7 +24,7 @@ from memory_server.auth import Principal
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
 from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable
-from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, utcnow
+from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, new_memory_id, utcnow
 from memory_server.schemas import (
     AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
     UpdateRequest,
@@ -133,7 +133,7 @@ class VectorMemory:
                     if duplicate:  # the memory already held, as stored
                         results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
                         continue
-                    memory_id = str(uuid.uuid4())
+                    memory_id = new_memory_id()
                     rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
                                  "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
                                  "hash": digest, "metadata": metadata, "embedding": vector.tobytes(), "created_at": now,

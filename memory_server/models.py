@@ -22,10 +22,10 @@ def utcnow() -> datetime:
 def new_memory_id() -> str:
     """A UUIDv7 (RFC 9562): 48 bits of Unix time in milliseconds, then 74 random bits. Ids made
     later sort later, so a batch's new memories land at the end of the indexes keyed by id (the
-    primary key, history's memory_id) instead of each on a random page: at 100k memories a batch
-    of 1,000 with random (v4) ids dirtied ~1,000 pages of each such index, and its commit took 86
-    instead of 68 ms (bench/analysis.md, round 14). The id tells when the memory was made, which
-    `created_at` says anyway."""
+    primary key, history's memory_id) instead of each on a random page of them: a batch of 1,000
+    commits in 68 instead of 86 ms at 100k memories, 84 instead of 113 ms at 300k (the add rate
+    itself moved less than the noise; bench/analysis.md, round 14). The id tells when the memory
+    was made, which `created_at` says anyway."""
     rand = int.from_bytes(os.urandom(10), "big")
     value = ((time.time_ns() // 1_000_000) << 80 | 0x7 << 76 | (rand >> 62 & 0xFFF) << 64
              | 0b10 << 62 | rand & (1 << 62) - 1)

@@ -24,7 +24,8 @@ class Settings(BaseSettings):
     embedding_model: str = "all-MiniLM-L6-v2"
     embedding_backend: Literal["onnx", "torch"] = "onnx"
     embedding_device: str = "cpu"
-    embedding_quantize: Literal["none", "int8"] | None = None  # None: int8 on onnx, full precision on torch
+    # None: int8 on onnx, full precision on torch; int8-asymmetric: the int8 model before round 15 (see embedding.py)
+    embedding_quantize: Literal["none", "int8", "int8-asymmetric"] | None = None
     embedding_threads: int = Field(0, ge=0, le=256)  # parallel model calls; 0 = one per CPU
     model_dir: Path | None = None  # where the ONNX export is kept; default <data_dir>/models
     embedding_batch_size: int = Field(16, ge=1, le=4096)

@@ -4,10 +4,11 @@ Two backends give the same vectors (to ~1e-7): `onnx` (default; the model is exp
 the data directory and run by ONNX Runtime, several times faster on a CPU) and `torch`. The onnx
 backend runs an int8-quantised copy of the model by default (`quantize="int8"`, activations
 quantised per token, weights to 7 bits: memory_server/quantize.py): less than half the CPU per text
-on a VNNI processor, cosine to the full-precision vectors >= 0.995 and the same LoCoMo recall
-(docs/benchmarks.md), exact integer products on x86 processors with or without VNNI, and a text's
-vector does not depend on what it is batched with. `quantize="none"` runs full precision. The two count as
-different models for the index (`name` carries the suffix), so their vectors are never mixed.
+on a VNNI processor, cosine to the full-precision vectors >= 0.992 (mean 0.996) and the same LoCoMo
+recall (docs/benchmarks.md), exact integer products on x86 processors with or without VNNI, and a
+text's vector does not depend on what it is batched with. `quantize="int8-asymmetric"` is the int8
+model of earlier versions, `quantize="none"` full precision. Each counts as a different model for
+the index (`name` carries the suffix), so their vectors are never mixed.
 """
 
 import hashlib
@@ -31,8 +32,12 @@ from memory_server.errors import StartupError
 log = logging.getLogger("memory_server")
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
-# The int8 model's kind: activations quantised per token, weights to 7 bits (memory_server/quantize.py).
-QUANTIZED_SUFFIX = "per-token-w7"
+# The int8 models (memory_server/quantize.py), by `quantize` setting: the suffix of the model's name
+# (an index records it) and of its file. Both quantise activations per token and weights to 7 bits;
+# "int8" quantises the centred inputs symmetrically, "int8-asymmetric" (the default until round 15)
+# gives every input per-row zero points and is kept for stores embedded with it.
+INT8_KINDS = {"int8": "per-token-w7-sym", "int8-asymmetric": "per-token-w7"}
+QUANTIZE_CHOICES = ("none", *INT8_KINDS)
 
 
 def resolve_model_path(name: str) -> str:
@@ -64,12 +69,12 @@ class Embedder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         quantize = quantize or default_quantize(backend)
-        if quantize not in ("none", "int8") or (quantize != "none" and backend != "onnx"):
+        if quantize not in QUANTIZE_CHOICES or (quantize != "none" and backend != "onnx"):
             raise StartupError(f"embedding quantization '{quantize}' is not available with the {backend} backend; "
                                "use the onnx backend or MEMORY_SERVER_EMBEDDING_QUANTIZE=none")
         # Indexes made by earlier int8 models ("+int8" per tensor, "+int8-per-token" with 8-bit
         # weights) need `reindex --reembed`.
-        self.name = model if quantize == "none" else f"{model}+{quantize}-{QUANTIZED_SUFFIX}"
+        self.name = model if quantize == "none" else f"{model}+int8-{INT8_KINDS[quantize]}"
         self.backend = backend
         self.batch_size = batch_size
         path = resolve_model_path(model)
@@ -311,7 +316,7 @@ def onnx_model_files(path: str, model_dir: Path, quantize: str = "none") -> tupl
     fingerprint = hashlib.sha256(str(Path(path).resolve() if Path(path).exists() else path).encode()).hexdigest()[:12]
     onnx_file = model_dir / f"{Path(path).name}-{fingerprint}.onnx"
     meta_file = onnx_file.with_suffix(".meta")
-    model_file = _quantized_path(onnx_file) if quantize == "int8" else onnx_file
+    model_file = _quantized_path(onnx_file, quantize) if quantize in INT8_KINDS else onnx_file
     if not model_file.exists() or not meta_file.exists():
         _prepare_in_child(path, onnx_file, quantize)
     return model_file, meta_file
@@ -337,8 +342,8 @@ def prepare_model_files(path: str, onnx_file: Path, quantize: str) -> None:
     meta_file = onnx_file.with_suffix(".meta")
     if not onnx_file.exists() or not meta_file.exists():
         _export(path, onnx_file, meta_file)
-    if quantize == "int8":
-        _quantized(onnx_file)
+    if quantize in INT8_KINDS:
+        _quantized(path, onnx_file, quantize)
 
 
 def _export(path: str, onnx_file: Path, meta_file: Path) -> None:
@@ -370,17 +375,18 @@ def _export(path: str, onnx_file: Path, meta_file: Path) -> None:
     meta_file.write_text(f"{_dimension(model)} {model.max_seq_length}")
 
 
-def _quantized_path(onnx_file: Path) -> Path:
-    return onnx_file.with_name(f"{onnx_file.stem}-int8-{QUANTIZED_SUFFIX}.onnx")
+def _quantized_path(onnx_file: Path, quantize: str) -> Path:
+    return onnx_file.with_name(f"{onnx_file.stem}-int8-{INT8_KINDS[quantize]}.onnx")
 
 
-def _quantized(onnx_file: Path) -> None:
+def _quantized(path: str, onnx_file: Path, quantize: str) -> None:
     """Makes the int8 copy of an exported model (per-channel weights, per-token activations: see
     memory_server/quantize.py) once, next to it."""
-    target = _quantized_path(onnx_file)
+    target = _quantized_path(onnx_file, quantize)
     if not target.exists():
         from memory_server.quantize import quantize_per_token
 
+        max_length = int(onnx_file.with_suffix(".meta").read_text().split()[1])
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        quantize_per_token(onnx_file, partial)
+        quantize_per_token(onnx_file, partial, _Tokenizer(path, max_length), centred=quantize == "int8")
         os.replace(partial, target)

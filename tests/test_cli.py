@@ -315,5 +315,5 @@ def test_serve_with_workers_prepares_the_model_once_before_starting_them(tmp_pat
                                   json={"text": f"Ravi parks in bay {i}", "user_id": "ravi"})
             assert response.status_code == 200, response.text
         log = log_path.read_text()
-    assert len(list(models.glob("*-int8-per-token-w7.onnx"))) == 1 and not list(models.glob("*.tmp"))
+    assert len(list(models.glob("*-int8-per-token-w7-sym.onnx"))) == 1 and not list(models.glob("*.tmp"))
     assert "died" not in log and log.count("Started server process") == 2, log

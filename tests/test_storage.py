@@ -390,6 +390,16 @@ def test_reindex_reembed_switches_models_and_plain_reindex_refuses(tmp_path, emb
         Runtime.open(settings, embedder=embedder)
 
 
+def test_an_index_of_the_earlier_int8_model_names_the_setting_that_keeps_it(tmp_path, embedder):
+    from memory_server.embedding import Embedder
+
+    settings = make_settings(tmp_path / "data")
+    Runtime.open(settings, embedder=Embedder(model_dir=MODEL_DIR, quantize="int8-asymmetric")).close()
+    with pytest.raises(StartupError, match="start with MEMORY_SERVER_EMBEDDING_QUANTIZE=int8-asymmetric, or run"):
+        Runtime.open(settings, embedder=embedder)
+    Runtime.open(settings, embedder=Embedder(model_dir=MODEL_DIR, quantize="int8-asymmetric")).close()
+
+
 def test_onnx_and_torch_backends_give_the_same_vectors(embedder):
     from memory_server.embedding import Embedder
 
@@ -405,15 +415,49 @@ def test_int8_default_stays_close_to_full_precision_and_is_its_own_model(embedde
 
     full = Embedder(model_dir=MODEL_DIR, quantize="none")
     texts = [f"Quinn fact number {i}: {fact}" for i, fact in enumerate(FACTS)] + ["我喜欢吃四川火锅"]
-    assert embedder.name == "all-MiniLM-L6-v2+int8-per-token-w7"  # the index refuses to mix the two (check_model)
+    assert embedder.name == "all-MiniLM-L6-v2+int8-per-token-w7-sym"  # the index refuses to mix the two (check_model)
     cosine = (embedder.embed(texts) * full.embed(texts)).sum(axis=1)
-    # 7-bit weights (see the next test): >= 0.997 for the English facts, 0.995 for the Chinese one.
-    assert cosine.min() > 0.994 and np.median(cosine) > 0.997
+    # Measured: min 0.9941 (the Chinese text), median 0.9967; every input with its own zero points
+    # (int8-asymmetric, below): 0.995 and 0.9978.
+    assert cosine.min() > 0.993 and np.median(cosine) > 0.996
     # Activations are quantised per token: a text's vector does not depend on its batch.
     alone = np.concatenate([embedder._encoder.encode([t]) for t in texts])
     assert np.abs(embedder._encoder.encode(texts) - alone).max() < 1e-5
     with pytest.raises(StartupError, match="not available with the torch backend"):
         Embedder(backend="torch", quantize="int8")
+
+
+def test_the_asymmetric_int8_model_stays_available_under_its_own_name(embedder):
+    # Stores embedded before the centred inputs were quantised symmetrically keep working with
+    # MEMORY_SERVER_EMBEDDING_QUANTIZE=int8-asymmetric: same name as then, so no re-embedding.
+    from memory_server.embedding import Embedder
+
+    asymmetric = Embedder(model_dir=MODEL_DIR, quantize="int8-asymmetric")
+    full = Embedder(model_dir=MODEL_DIR, quantize="none")
+    assert asymmetric.name == "all-MiniLM-L6-v2+int8-per-token-w7" != embedder.name
+    texts = [f"Quinn fact number {i}: {fact}" for i, fact in enumerate(FACTS)] + ["我喜欢吃四川火锅"]
+    cosine = (asymmetric.embed(texts) * full.embed(texts)).sum(axis=1)
+    assert cosine.min() > 0.994 and np.median(cosine) > 0.997
+    assert np.abs(asymmetric.embed(texts) - embedder.embed(texts)).max() > 1e-4  # really the other model
+
+
+def test_int8_quantises_centred_inputs_symmetrically_and_keeps_zero_points_for_skewed_ones():
+    # The calibration (quantize.CALIBRATION) measures each quantised input's skew: MiniLM's six
+    # GELU outputs (one per layer, the input of the second feed-forward product) are skewed and keep
+    # per-row zero points; the other 30 products of the six layers (Q, K, V, attention output,
+    # first feed-forward) take a fixed zero point, applied by ONNX Runtime's kernel itself.
+    import onnx
+
+    from memory_server.embedding import BUNDLED_MODEL, onnx_model_files, resolve_model_path
+
+    zero_points = {"int8": {}, "int8-asymmetric": {}}
+    for kind, found in zero_points.items():
+        model_file, _ = onnx_model_files(resolve_model_path(BUNDLED_MODEL), MODEL_DIR, kind)
+        for n in onnx.load(str(model_file)).graph.node:
+            if n.op_type == "MatMulIntegerToFloat":
+                found[n.input[4]] = found.get(n.input[4], 0) + 1
+    assert zero_points["int8"] == {"pt_128_u8": 30, "pt_zero_u8": 6}
+    assert zero_points["int8-asymmetric"] == {"pt_zero_u8": 36}
 
 
 def test_int8_weights_use_seven_bits_so_products_cannot_saturate_without_vnni():

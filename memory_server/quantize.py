@@ -55,7 +55,7 @@ CALIBRATION = (
 SKEWED = 0.6  # median row skew above which an input keeps per-row zero points
 
 
-def quantize_per_token(source: Path, target: Path, tokenizer=None, *, centred: bool = True) -> None:
+def quantize_per_token(source: Path, target: Path, tokenizer, *, centred: bool = True) -> None:
     """Write the per-token int8 model of the full-precision ONNX model at `source` to `target`.
     `tokenizer` (texts -> the model's inputs as arrays) runs the calibration that finds the
     centred inputs; with `centred=False` every input keeps per-row zero points."""

@@ -49,6 +49,15 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def quantize_setting_for(stored: str, configured: str) -> str | None:
+    """The quantize setting that makes the configured model run as the stored model name says, when
+    the two are one model quantised two ways (the int8 default changed in round 15); else None."""
+    base, _, kind = stored.partition("+int8-")
+    if configured != base and not configured.startswith(f"{base}+"):
+        return None
+    return next((setting for setting, suffix in INT8_KINDS.items() if suffix == kind), None)
+
+
 def default_quantize(backend: str) -> str:
     """int8 on the onnx backend, full precision on torch."""
     return "int8" if backend == "onnx" else "none"

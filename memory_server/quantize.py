@@ -129,39 +129,36 @@ def _per_token_activations(model, centred: set[str] = frozenset()) -> None:
     for n in graph.node:
         if id(n) in replaced:
             continue
-        if n.op_type == "DynamicQuantizeLinear" and n.output[2] in centred:
-            # q = round(x / s) + 128 with s = max|x| / 127: one row scale, the zero point fixed.
+        if n.op_type == "DynamicQuantizeLinear":
             x, (quantized, scale, zero_point), p = n.input[0], n.output, n.name + "_pt"
-            nodes += [
-                node("Abs", [x], [p + "_abs"]),
-                node("ReduceMax", [p + "_abs"], [p + "_max"], keepdims=1, axes=[-1]),
-                node("Div", [p + "_max", "pt_127"], [p + "_step"]),
-                node("Max", [p + "_step", "pt_tiny"], [p + "_scale"]),  # [..., rows, 1]
-                node("Shape", [x], [p + "_shape"]),
-                node("Flatten", [x], [p + "_rows"], axis=-1),
-                node("Reshape", [p + "_scale", "pt_flat"], [p + "_row_scale"]),
-                node("Shape", [p + "_row_scale"], [p + "_count"]),
-                node("Expand", ["pt_128_u8", p + "_count"], [p + "_row_zero"]),
-                node("QuantizeLinear", [p + "_rows", p + "_row_scale", p + "_row_zero"], [p + "_q"], axis=0),
-                node("Reshape", [p + "_q", p + "_shape"], [quantized]),
-            ]
-            rows[zero_point] = (None, p + "_scale", scale)
-        elif n.op_type == "DynamicQuantizeLinear":
-            x, (quantized, scale, zero_point), p = n.input[0], n.output, n.name + "_pt"
-            nodes += [
-                node("ReduceMin", [x], [p + "_min"], keepdims=1, axes=[-1]),
-                node("ReduceMax", [x], [p + "_max"], keepdims=1, axes=[-1]),
-                node("Min", [p + "_min", "pt_0"], [p + "_lo"]),
-                node("Max", [p + "_max", "pt_0"], [p + "_hi"]),
-                node("Sub", [p + "_hi", p + "_lo"], [p + "_range"]),
-                node("Div", [p + "_range", "pt_255"], [p + "_step"]),
-                node("Max", [p + "_step", "pt_tiny"], [p + "_scale"]),  # [..., rows, 1]
-                node("Div", [p + "_lo", p + "_scale"], [p + "_lo_steps"]),
-                node("Neg", [p + "_lo_steps"], [p + "_neg"]),
-                node("Round", [p + "_neg"], [p + "_rounded"]),
-                node("Clip", [p + "_rounded", "pt_0", "pt_255"], [p + "_zero"]),
-                node("Cast", [p + "_zero"], [p + "_zero_u8"], to=TensorProto.UINT8),
-                # QuantizeLinear takes one scale per row of a 2-D input (axis 0).
+            if zero_point in centred:
+                # q = round(x / s) + 128 with s = max|x| / 127: one row scale, the zero point fixed.
+                nodes += [
+                    node("Abs", [x], [p + "_abs"]),
+                    node("ReduceMax", [p + "_abs"], [p + "_max"], keepdims=1, axes=[-1]),
+                    node("Div", [p + "_max", "pt_127"], [p + "_step"]),
+                    node("Max", [p + "_step", "pt_tiny"], [p + "_scale"]),  # [..., rows, 1]
+                    node("Shape", [p + "_max"], [p + "_rows_shape"]),
+                    node("Expand", ["pt_128_u8", p + "_rows_shape"], [p + "_zero_u8"]),
+                ]
+                rows[zero_point] = (None, p + "_scale", scale)
+            else:
+                nodes += [
+                    node("ReduceMin", [x], [p + "_min"], keepdims=1, axes=[-1]),
+                    node("ReduceMax", [x], [p + "_max"], keepdims=1, axes=[-1]),
+                    node("Min", [p + "_min", "pt_0"], [p + "_lo"]),
+                    node("Max", [p + "_max", "pt_0"], [p + "_hi"]),
+                    node("Sub", [p + "_hi", p + "_lo"], [p + "_range"]),
+                    node("Div", [p + "_range", "pt_255"], [p + "_step"]),
+                    node("Max", [p + "_step", "pt_tiny"], [p + "_scale"]),  # [..., rows, 1]
+                    node("Div", [p + "_lo", p + "_scale"], [p + "_lo_steps"]),
+                    node("Neg", [p + "_lo_steps"], [p + "_neg"]),
+                    node("Round", [p + "_neg"], [p + "_rounded"]),
+                    node("Clip", [p + "_rounded", "pt_0", "pt_255"], [p + "_zero"]),
+                    node("Cast", [p + "_zero"], [p + "_zero_u8"], to=TensorProto.UINT8),
+                ]
+                rows[zero_point] = (p + "_zero", p + "_scale", scale)
+            nodes += [  # QuantizeLinear takes one scale per row of a 2-D input (axis 0).
                 node("Shape", [x], [p + "_shape"]),
                 node("Flatten", [x], [p + "_rows"], axis=-1),
                 node("Reshape", [p + "_scale", "pt_flat"], [p + "_row_scale"]),
@@ -169,7 +166,6 @@ def _per_token_activations(model, centred: set[str] = frozenset()) -> None:
                 node("QuantizeLinear", [p + "_rows", p + "_row_scale", p + "_row_zero"], [p + "_q"], axis=0),
                 node("Reshape", [p + "_q", p + "_shape"], [quantized]),
             ]
-            rows[zero_point] = (p + "_zero", p + "_scale", scale)
         elif n.op_type == "MatMulInteger" and n.input[2] in rows:
             # MatMulInteger -> Cast -> Mul(a_scale * w_scale) becomes one MatMulIntegerToFloat (weight
             # scales applied inside), then the per-row zero point (unless centred) and scale.

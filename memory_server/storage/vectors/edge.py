@@ -16,7 +16,7 @@ from typing import IO
 import qdrant_edge as qe
 
 from memory_server import allocator
-from memory_server.embedding import INT8_KINDS
+from memory_server.embedding import quantize_setting_for
 from memory_server.errors import StartupError
 from memory_server.storage.files import read_whole
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
@@ -321,10 +321,7 @@ def check_model(meta: dict, dimension: int, model: str, where: str) -> None:
     """Refuse to mix vectors of two models: a clear startup error, never silent corruption."""
     stored_dim, stored_model = int(meta.get("dimension", -1)), meta.get("model")
     if stored_dim != dimension or stored_model != model:
-        # The same model quantised another way (the int8 default changed in round 15): name the setting.
-        base, _, kind = str(stored_model).partition("+int8-")
-        same_base = model == base or model.startswith(f"{base}+")
-        setting = next((s for s, k in INT8_KINDS.items() if k == kind and same_base), None)
+        setting = quantize_setting_for(str(stored_model), model)
         old = f"MEMORY_SERVER_EMBEDDING_QUANTIZE={setting}" if setting else "the old model"
         raise StartupError(
             f"{where} holds {stored_dim}-dimensional vectors of model '{stored_model}', but the configured "

@@ -16,7 +16,7 @@ from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
 from memory_server.errors import NotFound, StartupError, Unavailable
-from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_id
+from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_id, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
@@ -322,9 +322,11 @@ def test_memory_ids_are_uuid7_in_the_order_they_were_made(runtime, admin):
     assert max(first) < min(later)
     made = runtime.memories.get(admin, later[0]).created_at
     assert abs((ids[-1].int >> 80) - made.timestamp() * 1000) < 1000  # the id's 48 bits of Unix milliseconds
-    many = [new_memory_id() for _ in range(10_000)]
+    many = new_memory_ids(10_000) + [new_memory_id() for _ in range(100)]
     assert len(set(many)) == len(many)
-    assert all(uuid.UUID(i).version == 7 for i in many[:100])
+    assert all(uuid.UUID(i).version == 7 and uuid.UUID(i).variant == uuid.RFC_4122 for i in many)
+    assert many[:10_000] == sorted(many[:10_000])  # one batch's ids ascend: its rows append in order
+    assert first == sorted(first)
     # Stored and searched like any other id: the same rows come back from SQL and the index.
     found = runtime.memories.search(admin, SearchRequest(query="vegetarian", filters={"user_id": "rosa"}, top_k=1))
     assert [h.id for h in found] == [later[0]]

@@ -24,7 +24,7 @@ from memory_server.auth import Principal
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
 from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable
-from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, new_memory_id, utcnow
+from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, new_memory_ids, utcnow
 from memory_server.schemas import (
     AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
     UpdateRequest,
@@ -116,6 +116,7 @@ class VectorMemory:
         # Vectors arrive in order while the rest are still being embedded (see embed_ahead).
         vectors = self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned])
         results: list[AddResult] = []
+        new_ids = iter(new_memory_ids(len(planned)))
         with Session(self.engine) as session:
             existing = self._exact_duplicates(session, principal.tenant_id, planned, now)
             added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
@@ -133,7 +134,7 @@ class VectorMemory:
                     if duplicate:  # the memory already held, as stored
                         results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
                         continue
-                    memory_id = new_memory_id()
+                    memory_id = next(new_ids)
                     rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
                                  "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
                                  "hash": digest, "metadata": metadata, "embedding": vector.tobytes(), "created_at": now,

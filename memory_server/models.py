@@ -19,10 +19,6 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def new_memory_id() -> str:
-    return new_memory_ids(1)[0]
-
-
 def new_memory_ids(count: int) -> list[str]:
     """`count` UUIDv7s (RFC 9562), in ascending order: 48 bits of Unix time in milliseconds, then
     74 random bits. Ids made later sort later, so a batch's new memories land at the end of the

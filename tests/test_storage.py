@@ -16,7 +16,7 @@ from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
 from memory_server.errors import NotFound, StartupError, Unavailable
-from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_id, new_memory_ids
+from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
@@ -313,7 +313,7 @@ def test_one_transaction_writes_row_embedding_and_log_entry(runtime, admin):
 
 
 def test_memory_ids_are_uuid7_in_the_order_they_were_made(runtime, admin):
-    """Time-ordered ids keep a batch's rows at the end of the id-keyed indexes (see new_memory_id)."""
+    """Time-ordered ids keep a batch's rows at the end of the id-keyed indexes (see new_memory_ids)."""
     first = fill(runtime, admin, user="quinn")
     time.sleep(0.002)  # the id's time is in milliseconds
     later = fill(runtime, admin, user="rosa")
@@ -322,7 +322,7 @@ def test_memory_ids_are_uuid7_in_the_order_they_were_made(runtime, admin):
     assert max(first) < min(later)
     made = runtime.memories.get(admin, later[0]).created_at
     assert abs((ids[-1].int >> 80) - made.timestamp() * 1000) < 1000  # the id's 48 bits of Unix milliseconds
-    many = new_memory_ids(10_000) + [new_memory_id() for _ in range(100)]
+    many = new_memory_ids(10_000) + [new_memory_ids(1)[0] for _ in range(100)]
     assert len(set(many)) == len(many)
     assert all(uuid.UUID(i).version == 7 and uuid.UUID(i).variant == uuid.RFC_4122 for i in many)
     assert many[:10_000] == sorted(many[:10_000])  # one batch's ids ascend: its rows append in order

@@ -556,6 +556,91 @@ def test_concurrent_small_embeddings_are_batched_and_stay_exact(embedder):
     assert np.abs(np.stack(together) - alone).max() < 1e-5
 
 
+def test_model_calls_split_texts_of_very_different_lengths_at_the_cheapest_points():
+    from itertools import combinations
+
+    from memory_server.embedding import CALL_TOKENS, calls_by_length
+
+    def cost(lengths, ends):
+        starts = [0, *ends[:-1]]
+        return sum(CALL_TOKENS + (end - start) * lengths[end - 1] for start, end in zip(starts, ends))
+
+    assert calls_by_length([11] * 6 + [22]) == [6, 7]  # six queries and one message: two calls
+    assert calls_by_length([11, 12, 13]) == [3]  # similar lengths: one call
+    assert calls_by_length([8] * 4 + [40] * 4 + [200]) == [4, 8, 9]
+    assert calls_by_length([]) == [] and calls_by_length([5]) == [1]
+    rng = np.random.default_rng(5)
+    for _ in range(200):  # the cheapest of every way to cut the sorted texts into runs
+        lengths = sorted(rng.integers(1, 256, size=int(rng.integers(1, 9))).tolist())
+        every = [[*cut, len(lengths)] for k in range(len(lengths)) for cut in combinations(range(1, len(lengths)), k)]
+        assert cost(lengths, calls_by_length(lengths)) == min(cost(lengths, ends) for ends in every)
+
+
+def test_a_call_of_mixed_lengths_pads_each_part_to_its_own_longest_text_and_keeps_every_vector(embedder):
+    encoder = embedder._encoder
+    queries = [f"what does {name} drink?" for name in ("Ana", "Bo", "Cy", "Di", "Ed")]
+    message = "Quinn said that she moved to Lisbon last May and now works as a nurse at the children's hospital"
+    texts = [queries[0], message, *queries[1:]]
+    widths = []
+    run = encoder._run
+    encoder._run = lambda encoded: widths.append(encoded["input_ids"].shape) or run(encoded)
+    try:
+        parts = list(encoder.encode_parts(texts))
+    finally:
+        encoder._run = run
+    assert [sorted(rows.tolist()) for rows, _ in parts] == [[0, 2, 3, 4, 5], [1]]  # the queries first
+    assert widths[0][0] == 5 and widths[0][1] < widths[1][1]  # the queries are not padded to the message
+    alone = np.stack([encoder.encode([t])[0] for t in texts])
+    assert np.abs(encoder.encode(texts) - alone).max() < 1e-6
+
+
+def test_a_query_batched_with_a_long_message_gets_its_vector_before_the_message_is_embedded(embedder):
+    import threading
+    from concurrent.futures import Future
+
+    from memory_server.embedding import _MicroBatcher
+
+    second_part = threading.Event()
+
+    def encode_parts(texts):  # the real model calls, held between the first and the second
+        parts = embedder._encoder.encode_parts(texts)
+        yield next(parts)
+        second_part.wait(30)
+        yield from parts
+
+    batcher = _MicroBatcher(encode_parts, embedder.dimension, workers=0)  # no threads: _embed is called here
+    query, message = Future(), Future()
+    long_text = "a long message with its conversation before it " * 12
+    worker = threading.Thread(target=batcher._embed, args=([(["who keeps bees?"], query), ([long_text], message)],))
+    worker.start()
+    try:
+        vector = query.result(timeout=30)  # while the message's call has not even started
+        assert not message.done()
+    finally:
+        second_part.set()
+        worker.join(30)
+    assert np.abs(vector[0] - embedder._encoder.encode(["who keeps bees?"])[0]).max() < 1e-6
+    assert np.abs(message.result(timeout=30)[0] - embedder._encoder.encode([long_text])[0]).max() < 1e-6
+
+
+def test_a_failing_model_call_fails_only_the_callers_still_waiting(embedder):
+    from concurrent.futures import Future
+
+    from memory_server.embedding import _MicroBatcher
+
+    def encode_parts(texts):
+        parts = embedder._encoder.encode_parts(texts)
+        yield next(parts)
+        raise RuntimeError("the model ran out of memory")
+
+    batcher = _MicroBatcher(encode_parts, embedder.dimension, workers=0)  # no threads: _embed is called here
+    query, message = Future(), Future()
+    batcher._embed([(["who keeps bees?"], query), (["a long message with its conversation " * 12], message)])
+    assert query.result().shape == (1, embedder.dimension)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        message.result()
+
+
 def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others_writes(settings, embedder, admin):
     """What `serve --workers N` relies on: each Runtime claims a free index directory, and a search
     first applies what the other one committed."""

@@ -1,4 +1,4 @@
-"""`python -m bench [mem0|service|latency|http|locomo|report]`: run one part, or with no part all of them + the report."""
+"""`python -m bench [mem0|service|latency|mixed|http|locomo|report]`: run one part, or with no part all of them + the report."""
 
 import argparse
 import os
@@ -12,6 +12,7 @@ LOCOMO = os.environ.get("BENCH_LOCOMO", "/work/shared/data/locomo/locomo10.json"
 QUICK = {"mem0": ["--sizes", "1000,3000", "--queries", "50", "--batch-groups", "20", "--out", "quick-mem0"],
          "service": ["--sizes", "1000,3000", "--queries", "50", "--batch-groups", "20", "--out", "quick-service"],
          "latency": ["--sizes", "1000,3000", "--queries", "50", "--out", "quick-service-latency"],
+         "mixed": ["--prefill", "2000", "--duration", "5", "--out", "quick-mixed-load"],
          "http": ["--duration", "5", "--prefill", "2000", "--out", "quick-http"],
          "locomo": ["--limit", "1", "--out", "quick-locomo"]}
 
@@ -30,6 +31,9 @@ def run_part(part, args):
     elif part == "latency":
         from bench import service_latency
         service_latency.main(args)
+    elif part == "mixed":
+        from bench import mixed_load
+        mixed_load.main(args)
     elif part == "http":
         from bench import http_load
         http_load.main(args)
@@ -43,13 +47,13 @@ def run_part(part, args):
 
 def main():
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("part", nargs="?", choices=["mem0", "service", "latency", "http", "locomo", "report"],
+    p.add_argument("part", nargs="?", choices=["mem0", "service", "latency", "mixed", "http", "locomo", "report"],
                    help="one part; omitted: all parts, then the report")
     p.add_argument("--quick", action="store_true", help="small sizes and short runs (smoke test; results quick-*.json)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the part (see `python -m bench PART -- -h`)")
     a = p.parse_args()
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-    parts = [a.part] if a.part else ["mem0", "service", "latency", "http", "locomo", "report"]
+    parts = [a.part] if a.part else ["mem0", "service", "latency", "mixed", "http", "locomo", "report"]
     if a.quick and "report" in parts:
         parts.remove("report")  # smoke numbers never go into docs/benchmarks.md
     for part in parts:

@@ -8,6 +8,7 @@ answers worked out by hand.
 import json
 
 import pytest
+import sqlalchemy
 
 from bench import locomo, report, workload
 from bench.workload import iter_memories, memories, percentiles, queries, user_id
@@ -132,3 +133,21 @@ def test_locomo_runner_scores_a_file_in_locomo_layout_through_the_server(sqlite_
         categories = [v for name, v in result["modes"]["hybrid"].items() if name != "overall"]
         mean = sum(v["n"] * v[f"recall@{k}"] for v in categories) / sum(v["n"] for v in categories)
         assert result["modes"]["hybrid"]["overall"][f"recall@{k}"] == pytest.approx(mean)
+
+
+def test_the_mixed_load_part_runs_searches_beside_long_adds_and_counts_both(tmp_path):
+    from bench import mixed_load
+    from bench.service_side import ServiceSide
+
+    side = ServiceSide(tmp_path)
+    try:
+        side.fill(memories(200))
+        result = mixed_load.run(side, searchers=2, adders=1, seconds=1.5)
+        with side.rt.engine.connect() as connection:
+            stored = connection.execute(sqlalchemy.text("SELECT count(*) FROM memories")).scalar_one()
+    finally:
+        side.close()
+    assert result["search"]["n"] > 0 and result["add"]["n"] > 0
+    assert result["searches_per_s"] == pytest.approx(result["search"]["n"] / result["seconds"])
+    assert result["cpu_ms_per_operation"] > 0
+    assert stored == 200 + result["add"]["n"]  # every timed add wrote a new memory (the turns differ)

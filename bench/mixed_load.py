@@ -2,21 +2,19 @@
 queries beside threads adding long messages one at a time, for a fixed duration.
 
 This is what an agent server sees: short search queries (~10 tokens) arriving while the turns of a
-conversation (~80 tokens and more) are written back. The embedding micro-batcher puts concurrent
+conversation (~75 tokens and more) are written back. The embedding micro-batcher puts concurrent
 texts into shared model calls; this part measures what that costs when their lengths differ.
 """
 
 import argparse
 import random
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-from bench.service_side import ServiceSide
+from bench.service_side import ServiceSide, temporary_side
 from bench.workload import machine, memories, percentiles, queries, write_result
 
-# One ~80-token conversation turn, made unique per add by its note number (else the adds are NOOPs).
+# One ~75-token conversation turn, made unique per add by its note number (else the adds are NOOPs).
 LONG_TURN = ("I finally went to that pottery class on Saturday, the one my sister kept telling me about, and "
              "honestly it was harder than it looks: the clay kept collapsing, but the teacher was patient and by "
              "the end I had a lopsided little bowl that I am weirdly proud of. Next week we start glazing")
@@ -69,16 +67,12 @@ def main(argv=None):
     p.add_argument("--duration", type=float, default=30.0, help="seconds")
     p.add_argument("--out", default="mixed-load")
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-mixed-") as tmp:
-        side = ServiceSide(Path(tmp))
-        try:
-            side.fill(memories(a.prefill))
-            run(side, 2, 1, min(3.0, a.duration))  # warm-up, not reported
-            result = {"machine": machine(), "prefill": a.prefill,
-                      "texts": {"query_tokens": "~11", "added_turn_tokens": "~80"},
-                      **run(side, a.searchers, a.adders, a.duration)}
-        finally:
-            side.close()
+    with temporary_side("bench-mixed-") as side:
+        side.fill(memories(a.prefill))
+        run(side, 2, 1, min(3.0, a.duration))  # warm-up, not reported
+        texts = {"query_tokens": "~11", "added_turn_tokens": "~75"}
+        result = {"machine": machine(), "prefill": a.prefill, "texts": texts,
+                  **run(side, a.searchers, a.adders, a.duration)}
     print(write_result(a.out, result))
 
 

@@ -1,6 +1,7 @@
 """Part 1, our side: memory-server's in-process Runtime with the same workload as mem0_side.py."""
 
 import argparse
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,17 @@ class ServiceSide:
         self.rt.close()
 
 
+@contextlib.contextmanager
+def temporary_side(prefix: str):
+    """A ServiceSide on a fresh data directory, closed and removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        side = ServiceSide(Path(tmp))
+        try:
+            yield side
+        finally:
+            side.close()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1000,10000,100000")
@@ -72,14 +84,10 @@ def main(argv=None):
     p.add_argument("--max-seconds", type=float, default=120.0, help="search time cap per size and mode")
     p.add_argument("--out", default="service")
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp:
-        side = ServiceSide(Path(tmp))
-        try:
-            result = measure(side, "ours", [int(s) for s in a.sizes.split(",")], a.batch_groups, a.queries,
-                             max_seconds=a.max_seconds)
-            result["add_events"] = side.events
-        finally:
-            side.close()
+    with temporary_side("bench-service-") as side:
+        result = measure(side, "ours", [int(s) for s in a.sizes.split(",")], a.batch_groups, a.queries,
+                         max_seconds=a.max_seconds)
+        result["add_events"] = side.events
     print(write_result(a.out, result))
 
 

@@ -312,11 +312,11 @@ class _OnnxEncoder:
         return self._session.run(None, {name: encoded[name] for name in self._inputs})[0]
 
 
-# What one more model call costs, in padded tokens: a call's fixed work (~750 graph nodes whatever
-# its size) costs about what 16 more tokens of texts do on the Intel Xeon of round 17 (an 8-token
-# query alone 1.56 ms, 16 of them in one call 8.15 ms; 24-token texts 2.33 / 24.25 ms). On AVX2-only
-# processors the tokens cost more and the call less (~7 tokens): there the split happens a little
-# less often than it could, never more.
+# What one more model call costs, in padded tokens: a call's fixed work, whatever its size, costs
+# about what 16 more tokens of texts do on the Intel Xeon of round 17 (an 8-token query alone
+# 1.56 ms, 16 of them in one call 8.15 ms; 24-token texts 2.33 / 24.25 ms; bench/analysis.md). On
+# AVX2-only processors the tokens cost more and the call less (~7 tokens): there the split happens
+# a little less often than it could, never more.
 CALL_TOKENS = 16
 
 
@@ -325,7 +325,8 @@ def calls_by_length(lengths: list[int]) -> list[int]:
     each costing CALL_TOKENS + its texts x its longest text: the end index of each call. A micro-batch
     of six 11-token queries and one 22-token message costs 16 + 7 x 22 = 170 in one call and
     (16 + 66) + (16 + 22) = 120 in two."""
-    best, cut = [0] + [0] * len(lengths), [0] * (len(lengths) + 1)
+    # best[n]: the cheapest cost of the first n texts; cut[n]: where that way starts its last call
+    best, cut = [0] * (len(lengths) + 1), [0] * (len(lengths) + 1)
     for end in range(1, len(lengths) + 1):
         best[end], cut[end] = min((best[start] + CALL_TOKENS + (end - start) * lengths[end - 1], start)
                                   for start in range(end))

@@ -58,7 +58,7 @@ def serve(
     _bootstrap(settings)  # once, before the workers race for it (the key, the model files)
     from memory_server import workers as worker_processes
 
-    if not worker_processes.spreads_connections():
+    if not worker_processes.hands_off_connections():
         uvicorn.run("memory_server.app:create_app", factory=True, workers=settings.workers, **options)
         return
     from memory_server.errors import StartupError

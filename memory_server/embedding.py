@@ -19,9 +19,11 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,7 +76,7 @@ class Embedder:
 
     def __init__(self, model: str = BUNDLED_MODEL, *, backend: str = "onnx", batch_size: int = 16,
                  cache_size: int = 1024, device: str = "cpu", model_dir: Path | None = None,
-                 quantize: str | None = None, threads: int = 0):
+                 quantize: str | None = None, threads: int = 0, wait_ms: float = 8.0):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         quantize = quantize or default_quantize(backend)
@@ -97,13 +99,26 @@ class Embedder:
             self.workers = 1  # torch spreads one call over all cores itself
         self.dimension = self._encoder.dimension
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="embedding") if self.workers > 1 else None
+        self._coming = Coming()
         self._batcher = _MicroBatcher(self._encoder.encode_parts, self.dimension, max_texts=batch_size,
-                                      workers=self.workers)
+                                      workers=self.workers, wait=wait_ms / 1000, coming=self._coming)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
 
+    @contextmanager
+    def coming(self) -> Iterator[None]:
+        """Around a request that will embed its texts soon (a search, an add): until it hands them
+        over (or ends), a model call that is gathering texts may wait for them (see _MicroBatcher)."""
+        self._coming.start()
+        try:
+            yield
+        finally:
+            if self._coming.arrived():  # it ended without embedding: a call waiting for it goes on
+                self._batcher.nudge()
+
     def embed(self, texts: list[str]) -> np.ndarray:
+        self._coming.arrived()
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
         if len(texts) <= _MicroBatcher.SMALL:
@@ -123,6 +138,7 @@ class Embedder:
         the model's work on the next ones. Texts are sorted by length within windows of AHEAD_WINDOW
         model calls: calls of similar lengths waste little on padding (a window of 16 calls embeds
         ~35% more texts a second than unsorted calls), and the first vectors still come early."""
+        self._coming.arrived()
         if self._pool is None or len(texts) <= self.batch_size:
             yield from self.embed(texts)
             return
@@ -144,6 +160,7 @@ class Embedder:
                     future.cancel()
 
     def embed_query(self, text: str) -> np.ndarray:
+        self._coming.arrived()
         with self._cache_lock:
             hit = self._cache.get(text)
             if hit is not None:
@@ -197,19 +214,57 @@ def _dimension(model) -> int:
     return int(getter())
 
 
+class Coming:
+    """How many callers (threads) have said they will embed soon and not yet handed their texts over."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def start(self) -> None:
+        if not getattr(self._local, "coming", False):
+            self._local.coming = True
+            with self._lock:
+                self.count += 1
+
+    def arrived(self) -> bool:
+        """This thread's texts are here (or it needs none after all); whether it was still coming."""
+        if not getattr(self._local, "coming", False):
+            return False
+        self._local.coming = False
+        with self._lock:
+            self.count -= 1
+        return True
+
+
+_NUDGE = ((), None)  # not a caller: wakes a call that is waiting for texts (see _MicroBatcher.nudge)
+
+
 class _MicroBatcher:
     """Concurrent small requests (a search's query, a single add) are embedded together: while one
-    model call runs, the next callers queue up and share the following call. One text alone costs
-    about as much as several in one batch, so under load this multiplies throughput; alone, a
-    caller waits only for the hand-over to the worker thread."""
+    model call runs, the next callers queue up and share the following call. A call's fixed work
+    costs what ~16 (Intel Xeon) to ~50 (round 18's Zen 5) more padded tokens do, so one text alone
+    costs about as much as several together.
+
+    Under load the callers do not arrive together, though: a server worker's requests reach the
+    model one by one, between the Python work of the others, and calls stayed at 1-3 texts (rounds
+    17 and 18). So while other requests have said their texts are coming (`Embedder.coming`) and
+    not handed them over yet, the next call waits up to `wait` seconds for them; it stops waiting
+    as soon as it is full or none is still coming. A lone caller never waits. One thread gathers a
+    call at a time; the others run theirs meanwhile."""
 
     SMALL = 4
 
-    def __init__(self, encode_parts, dimension: int, max_texts: int = 64, workers: int = 1):
+    def __init__(self, encode_parts, dimension: int, max_texts: int = 64, workers: int = 1, wait: float = 0.0,
+                 coming: Coming | None = None):
         self._encode_parts = encode_parts
         self._dimension = dimension
         self._max_texts = max_texts
+        self._wait = wait
+        self._coming = coming or Coming()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._gathering = threading.Lock()
         for n in range(workers):
             threading.Thread(target=self._work, name=f"embedding-batcher-{n}", daemon=True).start()
 
@@ -218,17 +273,40 @@ class _MicroBatcher:
         self._queue.put((texts, done))
         return done.result()
 
+    def nudge(self) -> None:
+        """Wake a call waiting for texts: one of the callers it waits for will bring none."""
+        self._queue.put(_NUDGE)
+
     def _work(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            count, longest = len(batch[0][0]), max(map(len, batch[0][0]))
-            while count < self._max_texts and count * longest < CALL_CHARS:
+            with self._gathering:
+                batch = self._gather()
+            self._embed(batch)
+
+    def _gather(self) -> list[tuple[list[str], Future]]:
+        """The callers of the next model call: the first one waiting, whoever else is queued, and,
+        while others are still coming, whoever comes within the wait."""
+        first = _NUDGE
+        while first is _NUDGE:
+            first = self._queue.get()
+        batch = [first]
+        count, longest = len(first[0]), max(map(len, first[0]))
+        deadline = None
+        while count < self._max_texts and count * longest < CALL_CHARS:
+            try:
+                caller = self._queue.get_nowait()
+            except queue.Empty:
+                if not self._wait or self._coming.count <= 0:
+                    break
+                deadline = deadline or time.monotonic() + self._wait
                 try:
-                    batch.append(self._queue.get_nowait())
+                    caller = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
-                count, longest = count + len(batch[-1][0]), max(longest, *map(len, batch[-1][0]))
-            self._embed(batch)
+            if caller is not _NUDGE:
+                batch.append(caller)
+                count, longest = count + len(caller[0]), max(longest, *map(len, caller[0]))
+        return batch
 
     def _embed(self, batch: list[tuple[list[str], Future]]) -> None:
         """Embeds the callers' texts together; a caller whose texts are all embedded gets them at

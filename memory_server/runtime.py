@@ -99,7 +99,8 @@ class Runtime:
                                         batch_size=settings.embedding_batch_size,
                                         cache_size=settings.query_cache_size, device=settings.embedding_device,
                                         model_dir=settings.resolved_model_dir,
-                                        quantize=settings.embedding_quantize, threads=settings.embedding_threads)
+                                        quantize=settings.embedding_quantize, threads=settings.embedding_threads,
+                                        wait_ms=settings.embedding_wait_ms)
         index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
         if settings.warm_database:  # after the index has read its own files (see warm_sqlite_file)
             warm_sqlite_file(engine)

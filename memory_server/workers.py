@@ -1,23 +1,31 @@
-"""`serve --workers N`: N server processes behind one port, each with a listening socket of its own.
+"""`serve --workers N`: one listening socket in a supervisor that hands each connection to the worker
+holding the fewest.
 
-uvicorn's workers share one listening socket, and a worker that wakes up accepts every connection
-waiting at that moment: a client pool that opens its keep-alive connections at once can land on
-one worker while the other idles (seen in the HTTP benchmark: 16 connections split 16/0, half the
-throughput). Here every worker binds the port itself with SO_REUSEPORT, and the kernel spreads new
-connections over the workers' sockets by a hash of each connection's addresses. Linux only (other
-systems' SO_REUSEPORT does not spread connections); elsewhere `serve` falls back to uvicorn's workers.
+How connections reach the workers decides how evenly they share the load, and with keep-alive
+clients a connection stays where it first landed. uvicorn's workers share one listening socket, and
+a worker that wakes up accepts every connection waiting at that moment (16 pooled connections split
+16/0 in the HTTP benchmark). A socket per worker with SO_REUSEPORT (rounds 5-17) lets the kernel
+pick by a hash of the addresses: 64 connections split 38/26 and 43/21, and the clients of the fuller
+worker waited up to twice as long (bench/analysis.md, round 18). Here, as in Node.js's cluster
+module, the supervisor accepts and passes each connection's descriptor over a Unix socket
+(SCM_RIGHTS) to the worker with the fewest open connections; the worker serves it with uvicorn's own
+protocol and says when it closes. Connections that stay open, the case that matters, cost the
+supervisor nothing after their first moment.
 
-The supervisor (this process) holds the port, starts the workers, starts a worker again when one
-exits, and on SIGINT/SIGTERM stops them all, each finishing the requests it has in hand.
+The supervisor also starts the workers, starts a worker again when one exits, and on SIGINT/SIGTERM
+stops them all, each finishing the requests it has in hand. Unix only (descriptor passing); elsewhere
+`serve` falls back to uvicorn's workers.
 """
 
+import asyncio
 import logging
 import multiprocessing
 import signal
 import socket
-import sys
 import time
 from multiprocessing.connection import wait
+
+import uvicorn
 
 from memory_server.errors import StartupError
 
@@ -26,53 +34,168 @@ log = logging.getLogger("memory_server")
 QUICK_EXIT_SECONDS = 20.0  # a worker gone sooner than this after its start counts as a failed start
 FAILED_STARTS = 3  # in a row, and the supervisor gives up (a bad setting, not bad luck)
 STOP_SECONDS = 30.0  # how long a stopping worker gets to finish its requests
+# One byte a message on a worker's channel: supervisor -> worker, a connection (its descriptor
+# rides along); worker -> supervisor, ready to serve, or one of its connections closed.
+CONNECTION, READY, CLOSED = b"F", b"R", b"C"
 
 
-def spreads_connections() -> bool:
-    """Whether this system spreads connections over sockets that share a port (Linux)."""
-    return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+def hands_off_connections() -> bool:
+    """Whether this system can pass connections between processes (Unix descriptor passing)."""
+    return hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
 
 
-def _socket(host: str, reuse_port: bool) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """The one listening socket, held by the supervisor for as long as it runs (port 0 gets its
+    number here). No SO_REUSEPORT: binding fails when anything already serves the port, an older
+    memory-server included, instead of quietly sharing its connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
     return sock
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to the port (never listening, so it takes no connections) that the supervisor
-    keeps while it runs: it gives port 0 its number and keeps the port ours between worker restarts.
-    The first bind is without SO_REUSEPORT: it fails when anything already serves the port, an older
-    memory-server included, instead of quietly sharing that port's connections with it."""
-    try:
-        with _socket(host, reuse_port=False) as probe:
-            probe.bind((host, port))
-            port = probe.getsockname()[1]
-        held = _socket(host, reuse_port=True)
-        held.bind((host, port))
-    except OSError as exc:
-        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return held
+def _serve(channel: socket.socket, options: dict) -> None:
+    """One worker: uvicorn with the app built from the environment, serving the connections that
+    arrive on `channel`."""
+    config = uvicorn.Config("memory_server.app:create_app", factory=True, **options)
+    HandedServer(config, channel).run()
 
 
-def _serve(host: str, port: int, options: dict) -> None:
-    """One worker: its own listening socket on the shared port, and the app built from the environment."""
-    import uvicorn
+class HandedServer(uvicorn.Server):
+    """uvicorn without a listening socket of its own: connections come from the supervisor."""
 
-    sock = _socket(host, reuse_port=True)
-    sock.bind((host, port))
-    sock.listen(2048)
-    config = uvicorn.Config("memory_server.app:create_app", factory=True, host=host, port=port, **options)
-    uvicorn.Server(config).run(sockets=[sock])
+    def __init__(self, config, channel: socket.socket):
+        super().__init__(config)
+        self.channel = channel
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=[])
+        if self.should_exit or not self.started:
+            return
+        self.channel.setblocking(False)
+        asyncio.get_running_loop().add_reader(self.channel.fileno(), self._receive)
+        self._tell(READY)
+
+    async def shutdown(self, sockets=None) -> None:
+        asyncio.get_running_loop().remove_reader(self.channel.fileno())
+        await super().shutdown(sockets)
+
+    def _receive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.channel, 64, 64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data and not fds:  # the supervisor is gone: finish and exit
+                loop.remove_reader(self.channel.fileno())
+                self.should_exit = True
+                return
+            for fd in fds:
+                connection = socket.socket(fileno=fd)
+                loop.create_task(self._serve_connection(loop, connection))
+
+    async def _serve_connection(self, loop, connection: socket.socket) -> None:
+        try:
+            await loop.connect_accepted_socket(self._protocol, connection)
+        except OSError:  # the client left while the connection was on its way here
+            connection.close()
+            self._tell(CLOSED)
+
+    def _protocol(self):
+        protocol = self.config.http_protocol_class(config=self.config, server_state=self.server_state,
+                                                   app_state=self.lifespan.state)
+        lost = protocol.connection_lost
+
+        def connection_lost(exc):
+            try:
+                lost(exc)
+            finally:
+                self._tell(CLOSED)
+
+        protocol.connection_lost = connection_lost
+        return protocol
+
+    def _tell(self, message: bytes) -> None:
+        try:
+            self.channel.send(message)
+        except OSError:  # the supervisor is gone; _receive sees it and stops the worker
+            pass
+
+
+class _Worker:
+    """The supervisor's view of one worker process: its channel, whether it serves, how many of the
+    connections handed to it are still open."""
+
+    def __init__(self, context, n: int, options: dict):
+        self.channel, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.process = context.Process(target=_serve, args=(child_end, options), name=f"memory-server-worker-{n}")
+        self.process.start()
+        child_end.close()
+        self.channel.setblocking(False)
+        self.started = time.monotonic()
+        self.ready = False
+        self.connections = 0
+
+    def take(self, connection: socket.socket) -> bool:
+        try:
+            socket.send_fds(self.channel, [CONNECTION], [connection.fileno()])
+        except OSError:  # gone, or not reading: another worker takes it
+            return False
+        self.connections += 1
+        return True
+
+    def read_messages(self) -> None:
+        try:
+            data = self.channel.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the process is exiting; the sentinel tells the supervisor
+            self.ready = False
+            return
+        self.ready = self.ready or READY in data
+        self.connections = max(0, self.connections - data.count(CLOSED))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _hand_out(listener: socket.socket, workers: list[_Worker]) -> None:
+    """Accept every waiting connection and give each to the ready worker holding the fewest."""
+    while True:
+        ready = [w for w in workers if w.ready]
+        if not ready:
+            return
+        try:
+            connection, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # e.g. out of descriptors: try again on the next round
+            log.warning("accepting a connection failed: %s", exc)
+            return
+        with connection:
+            for worker in sorted(ready, key=lambda w: w.connections):
+                if worker.take(connection):
+                    break
+            else:
+                log.warning("no worker could take a connection; it was closed")
 
 
 def run(count: int, host: str, port: int, options: dict) -> int:
     """Run `count` workers until SIGINT/SIGTERM; returns the exit status."""
-    held = reserve_port(host, port)
-    port = held.getsockname()[1]
+    listener = listen(host, port)
+    port = listener.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     stopping = False
 
@@ -81,42 +204,49 @@ def run(count: int, host: str, port: int, options: dict) -> int:
         stopping = True
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def start(n: int):
-        process = context.Process(target=_serve, args=(host, port, options), name=f"memory-server-worker-{n}")
-        process.start()
-        return process, time.monotonic()
-
-    workers = [start(n) for n in range(count)]
-    log.info("serving on http://%s:%d with %d worker processes (one listening socket each)", host, port, count)
+    workers = [_Worker(context, n, options) for n in range(count)]
+    log.info("serving on http://%s:%d with %d worker processes (connections handed to the least busy)",
+             host, port, count)
     failed_starts, status = 0, 0
     try:
         while not stopping:
-            wait([process.sentinel for process, _ in workers], timeout=0.5)
-            for n, (process, started) in enumerate(workers):
-                if process.is_alive() or stopping:
+            # The listener is watched only while some worker can take a connection: until then
+            # clients wait in the kernel's backlog instead of being accepted and dropped.
+            watched = [w.channel for w in workers] + [w.process.sentinel for w in workers]
+            if any(w.ready for w in workers):
+                watched.append(listener)
+            woken = wait(watched, timeout=0.5)
+            for worker in workers:
+                if worker.channel in woken:
+                    worker.read_messages()
+            if listener in woken:
+                _hand_out(listener, workers)
+            for n, worker in enumerate(workers):
+                if worker.process.is_alive() or stopping:
                     continue
-                quick = time.monotonic() - started < QUICK_EXIT_SECONDS
+                quick = time.monotonic() - worker.started < QUICK_EXIT_SECONDS
                 failed_starts = failed_starts + 1 if quick else 0
                 if failed_starts >= FAILED_STARTS:
                     log.error("workers keep exiting as they start (exit code %s); stopping: see the log above",
-                              process.exitcode)
+                              worker.process.exitcode)
                     stopping, status = True, 1
                     break
-                log.warning("worker %d (pid %d) exited with code %s; starting another", n, process.pid,
-                            process.exitcode)
-                workers[n] = start(n)
+                log.warning("worker %d (pid %d) exited with code %s; starting another", n, worker.process.pid,
+                            worker.process.exitcode)
+                worker.close()
+                workers[n] = _Worker(context, n, options)
     finally:
-        for process, _ in workers:
-            if process.is_alive():
-                process.terminate()  # SIGTERM: uvicorn finishes the requests in hand, then exits
+        listener.close()  # no new connections; the workers finish the ones they hold
+        for worker in workers:
+            if worker.process.is_alive():
+                worker.process.terminate()  # SIGTERM: uvicorn finishes the requests in hand, then exits
         deadline = time.monotonic() + STOP_SECONDS
-        for process, _ in workers:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join()
-        held.close()
+        for worker in workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return status

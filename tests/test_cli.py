@@ -222,33 +222,85 @@ def _open_connections(url: str, count: int) -> list[socket.socket]:
     return connections
 
 
-def _workers_listening(port: int, count: int, timeout: float = 90) -> list[int]:
+def _client_ports(port: int) -> dict[int, set[int]]:
+    """{pid: client ports}: which process holds the server side of each connection to `port`
+    (Linux /proc)."""
+    inodes = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                inodes[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
+    held: dict[int, set[int]] = {}
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            links = [os.readlink(fd) for fd in fd_dir.iterdir()]
+        except OSError:
+            continue
+        for link in links:
+            if link.startswith("socket:[") and link[len("socket:["):-1] in inodes:
+                held.setdefault(int(fd_dir.parent.name), set()).add(inodes[link[len("socket:["):-1]])
+    return held
+
+
+def _workers(port: int, count: int, timeout: float = 90) -> tuple[int, list[int]]:
+    """(supervisor pid, worker pids): the process listening on `port`, and its worker processes
+    once `count` of them run."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        listening = sorted(pid for pid, n in _tcp_sockets(port).items() if n["listening"])
-        if len(listening) == count:
-            return listening
+        listening = [pid for pid, n in _tcp_sockets(port).items() if n["listening"]]
+        if len(listening) == 1:
+            workers = []
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    parent = stat.read_text().rsplit(")", 1)[1].split()[1]
+                    command = (stat.parent / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if parent == str(listening[0]) and b"spawn_main" in command:
+                    workers.append(int(stat.parent.name))
+            if len(workers) == count:
+                return listening[0], sorted(workers)
         time.sleep(0.3)
-    raise AssertionError(f"not {count} listening workers on port {port}: {_tcp_sockets(port)}")
+    raise AssertionError(f"not {count} workers behind port {port}: {_tcp_sockets(port)}")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-worker sockets are Linux-only")
-def test_serve_with_workers_gives_each_its_own_socket_and_spreads_connections(tmp_path):
+def _wait_for(condition, what: str, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not hasattr(socket, "send_fds"), reason="connection hand-off needs Unix descriptor passing")
+def test_serve_with_workers_hands_each_connection_to_the_worker_holding_fewest(tmp_path):
     # uvicorn's shared socket let one worker take a whole pool of connections opened at once (16/0
-    # in the HTTP benchmark); with a socket per worker the kernel spreads them.
+    # in the HTTP benchmark), and a socket per worker (SO_REUSEPORT) split 64 by a hash, 43/21 at
+    # worst. The supervisor accepts and hands each connection to the worker with the fewest open.
     with serving(tmp_path, "--workers", "2") as (url, _, log_path):
         port = int(url.rsplit(":", 1)[1])
-        first, second = _workers_listening(port, 2)
+        supervisor, (first, second) = _workers(port, 2)
+        _wait_for(lambda: log_path.read_text().count("Application startup complete") == 2, "both workers")
         connections = _open_connections(url, 24)
         try:
-            held = {pid: n["established"] for pid, n in _tcp_sockets(port).items() if pid in (first, second)}
-            assert sum(held.values()) == 24 and min(held.values()) > 0, held  # all on one: odds 2 in 2^24
+            held = _client_ports(port)
+            assert len(held.get(first, ())) == 12 and len(held.get(second, ())) == 12, held
+            assert supervisor not in held  # it only listens
+            # The first worker's clients leave: the next connections all go to it.
+            for c in connections:
+                if c.getsockname()[1] in held[first]:
+                    c.close()
+            _wait_for(lambda: not _client_ports(port).get(first), "the first worker to close its connections")
+            time.sleep(0.5)  # its word on each closed connection reaches the supervisor
+            connections += _open_connections(url, 12)
+            held = _client_ports(port)
+            assert len(held.get(first, ())) == 12 and len(held.get(second, ())) == 12, held
         finally:
             for c in connections:
                 c.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-worker sockets are Linux-only")
+@pytest.mark.skipif(not hasattr(socket, "send_fds"), reason="connection hand-off needs Unix descriptor passing")
 def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_path):
     import signal
 
@@ -257,11 +309,16 @@ def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_p
     server = subprocess.Popen([*CLI, "serve", "--port", str(port), "--data-dir", str(data_dir), "--workers", "2"],
                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
-        workers = _workers_listening(port, 2)
+        _, workers = _workers(port, 2)
+        started = lambda: (tmp_path / "serve.log").read_text().count("Application startup complete")  # noqa: E731
+        _wait_for(lambda: started() == 2, "both workers to start")
         os.kill(workers[0], signal.SIGKILL)
-        replaced = _workers_listening(port, 2)
-        assert workers[0] not in replaced and workers[1] in replaced
-        assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=30).status_code == 200
+        _wait_for(lambda: workers[0] not in _workers(port, 2)[1], "a new worker")
+        _, replaced = _workers(port, 2)
+        assert workers[1] in replaced
+        _wait_for(lambda: started() == 3, "the new worker to start")
+        for _ in range(6):  # new connections, some of them handed to the new worker
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=30).status_code == 200
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
         assert not any(Path(f"/proc/{pid}").exists() for pid in replaced)
@@ -272,7 +329,7 @@ def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_p
         log.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-worker sockets are Linux-only")
+@pytest.mark.skipif(not hasattr(socket, "send_fds"), reason="connection hand-off needs Unix descriptor passing")
 def test_serve_with_workers_gives_up_when_workers_keep_failing_at_start(tmp_path):
     # The workers open the index themselves; an unreachable Qdrant server fails every start. The
     # supervisor stops after three quick exits in a row instead of restarting them forever.

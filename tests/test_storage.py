@@ -623,6 +623,73 @@ def test_a_query_batched_with_a_long_message_gets_its_vector_before_the_message_
     assert np.abs(message.result(timeout=30)[0] - embedder._encoder.encode([long_text])[0]).max() < 1e-6
 
 
+def test_under_load_a_model_call_waits_for_the_texts_still_coming():
+    import threading
+
+    from conftest import MODEL_DIR
+    from memory_server.embedding import Embedder
+
+    embedder = Embedder(model_dir=MODEL_DIR, wait_ms=3000, threads=1)
+    calls = []
+    encode_parts = embedder._batcher._encode_parts
+    embedder._batcher._encode_parts = lambda texts: calls.append(list(texts)) or encode_parts(texts)
+    vectors = {}
+    barrier = threading.Barrier(3)
+
+    def request(text, work):  # a request: says its text is coming, works, then embeds it
+        with embedder.coming():
+            barrier.wait(10)
+            time.sleep(work)
+            vectors[text] = embedder.embed_query(text)
+
+    started = time.monotonic()
+    requests = [threading.Thread(target=request, args=(t, w)) for t, w in
+                (("who keeps bees?", 0), ("where does Ana live?", 0.2), ("what does Bo drink?", 0.4))]
+    for r in requests:
+        r.start()
+    for r in requests:
+        r.join(30)
+    # One call for the three, made once the last text was in, long before the wait's end.
+    assert calls == [["who keeps bees?", "where does Ana live?", "what does Bo drink?"]]
+    assert time.monotonic() - started < 2.5
+    for text, vector in vectors.items():
+        assert np.abs(vector - embedder._encoder.encode([text])[0]).max() < 1e-6
+    # A request that ends without embedding (a keyword search) stops the wait too.
+    def keyword_search():
+        with embedder.coming():
+            time.sleep(0.3)
+    other = threading.Thread(target=keyword_search)
+    other.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    embedder.embed_query("who plays chess?")
+    other.join(10)
+    assert 0.1 < time.monotonic() - started < 2.5 and calls[-1] == ["who plays chess?"]
+    # A lone caller never waits.
+    started = time.monotonic()
+    with embedder.coming():
+        embedder.embed_query("who sails?")
+    embedder.embed_query("who climbs?")
+    assert time.monotonic() - started < 1.5 and calls[-2:] == [["who sails?"], ["who climbs?"]]
+    assert embedder._coming.count == 0
+
+
+def test_searches_and_adds_say_their_texts_are_coming_and_keyword_searches_do_not(runtime, admin):
+    embedder = runtime.embedder
+    seen = []
+    embed_query, embed_ahead = embedder.embed_query, embedder.embed_ahead
+    embedder.embed_query = lambda text: seen.append(("query", embedder._coming.count)) or embed_query(text)
+    embedder.embed_ahead = lambda texts: seen.append(("add", embedder._coming.count)) or embed_ahead(texts)
+    try:
+        runtime.memories.add(admin, AddRequest(text="Rita grows tomatoes", user_id="rita"))
+        for mode in ("hybrid", "dense", "keyword"):
+            runtime.memories.search(admin, SearchRequest(query="tomatoes", filters={"user_id": "rita"}, mode=mode))
+    finally:
+        del embedder.embed_query, embedder.embed_ahead
+    assert seen == [("add", 1), ("query", 1), ("query", 1)]  # the keyword search embeds nothing
+    assert embedder._coming.count == 0
+
+
 def test_a_failing_model_call_fails_only_the_callers_still_waiting(embedder):
     from concurrent.futures import Future
 

@@ -87,7 +87,8 @@ class VectorMemory:
 
     # -- add -------------------------------------------------------------------------------
     def add(self, principal: Principal, request: AddRequest) -> AddResponse:
-        return self._add(principal, [request], batch=False)
+        with self.embedder.coming():  # its texts are on their way: a model call may wait for them
+            return self._add(principal, [request], batch=False)
 
     def add_batch(self, principal: Principal, items: list[AddRequest]) -> AddResponse:
         if len(items) > self.settings.max_batch_items:
@@ -249,6 +250,12 @@ class VectorMemory:
 
     # -- search ----------------------------------------------------------------------------
     def search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
+        if request.mode == "keyword":
+            return self._search(principal, request)
+        with self.embedder.coming():  # its query is on its way: a model call may wait for it
+            return self._search(principal, request)
+
+    def _search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
         parts: list[Condition] = []
         if request.filters is not None:
             parts.append(parse_filters(request.filters))

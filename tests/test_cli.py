@@ -188,26 +188,24 @@ def test_serve_with_workers_answers_every_write_from_whichever_process(tmp_path)
     assert log_path.read_text().count("created the bootstrap admin key") == 1
 
 
-def _tcp_sockets(port: int) -> dict[int, dict[str, int]]:
-    """{pid: {"listening": n, "established": n}}: the server-side TCP sockets on `port` of each
-    process (Linux /proc), to see which worker holds which connection."""
+def _server_sockets(port: int) -> list[tuple[int, str, int]]:
+    """(pid, "listening" or "established", the client's port) for each server-side TCP socket on
+    `port` (Linux /proc), to see which process holds which connection."""
     states = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in ("0A", "01"):
-                states[fields[9]] = "listening" if fields[3] == "0A" else "established"
-    found: dict[int, dict[str, int]] = {}
+                states[fields[9]] = ("listening" if fields[3] == "0A" else "established",
+                                     int(fields[2].rsplit(":", 1)[1], 16))
+    found = []
     for fd_dir in Path("/proc").glob("[0-9]*/fd"):
         try:
             links = [os.readlink(fd) for fd in fd_dir.iterdir()]
         except OSError:
             continue
-        for link in links:
-            state = states.get(link[len("socket:["):-1]) if link.startswith("socket:[") else None
-            if state:
-                counts = found.setdefault(int(fd_dir.parent.name), {"listening": 0, "established": 0})
-                counts[state] += 1
+        found += [(int(fd_dir.parent.name), *states[link[len("socket:["):-1]]) for link in links
+                  if link.startswith("socket:[") and link[len("socket:["):-1] in states]
     return found
 
 
@@ -223,23 +221,11 @@ def _open_connections(url: str, count: int) -> list[socket.socket]:
 
 
 def _client_ports(port: int) -> dict[int, set[int]]:
-    """{pid: client ports}: which process holds the server side of each connection to `port`
-    (Linux /proc)."""
-    inodes = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
-                inodes[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
+    """{pid: the ports of the clients whose connections it holds}."""
     held: dict[int, set[int]] = {}
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            links = [os.readlink(fd) for fd in fd_dir.iterdir()]
-        except OSError:
-            continue
-        for link in links:
-            if link.startswith("socket:[") and link[len("socket:["):-1] in inodes:
-                held.setdefault(int(fd_dir.parent.name), set()).add(inodes[link[len("socket:["):-1]])
+    for pid, state, client_port in _server_sockets(port):
+        if state == "established":
+            held.setdefault(pid, set()).add(client_port)
     return held
 
 
@@ -248,7 +234,7 @@ def _workers(port: int, count: int, timeout: float = 90) -> tuple[int, list[int]
     once `count` of them run."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        listening = [pid for pid, n in _tcp_sockets(port).items() if n["listening"]]
+        listening = [pid for pid, state, _ in _server_sockets(port) if state == "listening"]
         if len(listening) == 1:
             workers = []
             for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -262,7 +248,7 @@ def _workers(port: int, count: int, timeout: float = 90) -> tuple[int, list[int]
             if len(workers) == count:
                 return listening[0], sorted(workers)
         time.sleep(0.3)
-    raise AssertionError(f"not {count} workers behind port {port}: {_tcp_sockets(port)}")
+    raise AssertionError(f"not {count} workers behind port {port}: {_server_sockets(port)}")
 
 
 def _wait_for(condition, what: str, timeout: float = 90) -> None:

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import uuid
+from contextlib import nullcontext
 from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
@@ -250,9 +251,8 @@ class VectorMemory:
 
     # -- search ----------------------------------------------------------------------------
     def search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
-        if request.mode == "keyword":
-            return self._search(principal, request)
-        with self.embedder.coming():  # its query is on its way: a model call may wait for it
+        # Its query is on its way (a keyword search embeds none): a model call may wait for it.
+        with self.embedder.coming() if request.mode != "keyword" else nullcontext():
             return self._search(principal, request)
 
     def _search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:

@@ -29,6 +29,7 @@ async def _load(server, clients: int, duration: float, search_share: float, seed
     rng = random.Random(seed)
     qs = queries(5000, seed=seed)
     lat = {"search": [], "add": []}
+    timings = {"search": [], "add": []}  # (latency, {stage: seconds}) from the Server-Timing header
     errors = {}
     stop = time.perf_counter() + duration
     added = 0
@@ -52,10 +53,13 @@ async def _load(server, clients: int, duration: float, search_share: float, seed
                     await r.read()
                     ok = r.status < 300
                     why = f"HTTP {r.status}"
+                    stages = r.headers.get("Server-Timing")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 ok, why = False, type(exc).__name__
             if ok:
                 lat[op].append(time.perf_counter() - t)
+                if stages:
+                    timings[op].append((lat[op][-1], stages))
             else:
                 errors[why] = errors.get(why, 0) + 1
 
@@ -63,12 +67,46 @@ async def _load(server, clients: int, duration: float, search_share: float, seed
     async with aiohttp.ClientSession(base_url=server.url, headers=server.headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=30)) as client:
         await asyncio.gather(*(worker(client) for _ in range(clients)))
-    return lat, errors
+    return lat, errors, timings
+
+
+def server_timing(value: str) -> dict[str, float]:
+    """A `Server-Timing` header's stages, in seconds: "embed;dur=1.5, app;dur=3" -> {embed: 0.0015, app: 0.003}."""
+    stages = {}
+    for part in value.split(","):
+        name, _, params = part.strip().partition(";")
+        duration = next((p.split("=", 1)[1] for p in params.split(";") if p.strip().startswith("dur=")), None)
+        if name and duration is not None:
+            stages[name] = stages.get(name, 0.0) + float(duration) / 1000
+    return stages
+
+
+def where_time_went(samples: list[tuple[float, str]], share: float = 0.01) -> dict:
+    """Mean milliseconds per stage over all requests and over the slowest `share` of them.
+    `outside` is what the client waited beyond the server's `app` time (the event loop's queue,
+    HTTP parsing, the kernel, the load generator itself); `unnamed` is the part of `app` no stage
+    names (request and response models, routing, the service's own Python)."""
+    if not samples:
+        return {}
+    rows = []
+    for latency, header in samples:
+        stages = server_timing(header)
+        app = stages.pop("app", 0.0)
+        rows.append((latency, {**stages, "unnamed": app - sum(stages.values()), "outside": latency - app}))
+    rows.sort(key=lambda row: row[0])
+    slowest = rows[-max(1, int(len(rows) * share)):]
+    names = sorted({name for _, stages in rows for name in stages})
+
+    def means(chosen):
+        return {"latency": 1000 * sum(latency for latency, _ in chosen) / len(chosen),
+                **{name: 1000 * sum(stages.get(name, 0.0) for _, stages in chosen) / len(chosen) for name in names}}
+
+    return {"n": len(rows), "all_ms": means(rows), f"slowest_{share:.0%}_ms": means(slowest)}
 
 
 def run_level(server, clients: int, duration: float, search_share: float = 0.8, seed: int = 3) -> dict:
     server_cpu, client_cpu, t0 = cpu_seconds(server.pid), time.process_time(), time.perf_counter()
-    lat, errors = asyncio.run(_load(server, clients, duration, search_share, seed))
+    lat, errors, timings = asyncio.run(_load(server, clients, duration, search_share, seed))
     wall = time.perf_counter() - t0
     done = len(lat["search"]) + len(lat["add"])
     return {
@@ -76,6 +114,8 @@ def run_level(server, clients: int, duration: float, search_share: float = 0.8, 
         "errors": sum(errors.values()), "error_kinds": errors,
         "all": percentiles(lat["search"] + lat["add"]),
         "search": percentiles(lat["search"]), "add": percentiles(lat["add"]),
+        # Where the time went, by the server's Server-Timing header: on average, and in the slowest 1%.
+        "stages": {op: where_time_went(samples) for op, samples in timings.items() if samples},
         # Share of one core each side used; both near 1.0+ on a 2-core box means the box is saturated.
         "server_cpu_per_s": (cpu_seconds(server.pid) - server_cpu) / wall,
         "client_cpu_per_s": (time.process_time() - client_cpu) / wall,

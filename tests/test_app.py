@@ -12,3 +12,61 @@ def test_every_route_is_async_so_its_response_is_not_validated_in_a_second_threa
     routes = [route for router in ROUTERS for route in router.routes]
     assert len(routes) >= 10
     assert [route.path for route in routes if not inspect.iscoroutinefunction(route.endpoint)] == []
+
+
+def _stages(response) -> dict[str, float]:
+    """The Server-Timing header as {stage: milliseconds}."""
+    out = {}
+    for part in response.headers["server-timing"].split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        out[name] = float(duration)
+    return out
+
+
+def test_responses_say_where_their_time_went_in_a_server_timing_header(server):
+    with server.client() as c:
+        added = c.post("/v1/memories", json={"text": "Alice keeps bees on her roof", "user_id": "alice"})
+        found = c.post("/v1/memories/search", json={"query": "who keeps bees?", "user_id": "alice"})
+        keyword = c.post("/v1/memories/search", json={"query": "bees", "user_id": "alice", "mode": "keyword"})
+        refused = c.post("/v1/memories/search", json={"query": "bees"})
+    assert added.status_code == 200 and found.status_code == 200 and keyword.status_code == 200
+    assert found.json()["results"][0]["memory"] == "Alice keeps bees on her roof"
+    add, search, keyword_search = _stages(added), _stages(found), _stages(keyword)
+    # The stages of a request thread land on the request's own timings (the pool copies the context).
+    assert {"queue", "embed", "db", "index", "respond", "app"} <= add.keys()
+    assert {"queue", "embed", "db", "index", "respond", "app"} <= search.keys()
+    assert "embed" not in keyword_search and {"queue", "index", "db", "respond", "app"} <= keyword_search.keys()
+    for stages in (add, search, keyword_search):
+        assert all(value >= 0 for value in stages.values())
+        # Stages run one after another inside the request, so together they fit in its whole time.
+        assert sum(v for name, v in stages.items() if name != "app") <= stages["app"] + 0.05
+    assert refused.status_code == 422 and set(_stages(refused)) >= {"app"}
+
+
+def test_the_server_timing_header_can_be_turned_off(tmp_path, embedder):
+    from conftest import make_settings, start_server
+
+    live, stop = start_server(make_settings(tmp_path, server_timing=False), embedder)
+    try:
+        with live.client() as c:
+            response = c.post("/v1/memories/search", json={"query": "bees", "user_id": "alice"})
+        assert response.status_code == 200 and "server-timing" not in response.headers
+    finally:
+        stop()
+
+
+def test_stages_cost_nothing_and_record_nothing_outside_a_timed_request():
+    from memory_server.timing import Timings, stage, timed_iter, timed_request
+
+    with stage("embed"):
+        pass
+    assert list(timed_iter("embed", iter([1, 2]))) == [1, 2]
+    with timed_request() as timings:
+        with stage("db"):
+            pass
+        with stage("db"):
+            pass
+        assert list(timed_iter("embed", iter([1, 2]))) == [1, 2]
+    assert isinstance(timings, Timings) and set(timings.stages) == {"db", "embed"}
+    parts = timings.header().decode().split(", ")
+    assert [p.split(";")[0] for p in parts] == ["db", "embed", "app"] and all(";dur=" in p for p in parts)

@@ -10,7 +10,7 @@ import json
 import pytest
 import sqlalchemy
 
-from bench import locomo, report, workload
+from bench import http_load, locomo, report, workload
 from bench.workload import iter_memories, memories, percentiles, queries, user_id
 from conftest import make_settings, start_server
 
@@ -22,6 +22,20 @@ def test_percentiles_are_nearest_rank_in_milliseconds():
                       "p99_ms": pytest.approx(99), "mean_ms": pytest.approx(50.5)}
     assert percentiles([0.004]) == {"n": 1, "p50_ms": 4.0, "p95_ms": 4.0, "p99_ms": 4.0, "mean_ms": 4.0}
     assert percentiles([]) == {"n": 0}
+
+
+def test_the_http_part_reads_server_timing_and_says_where_the_slowest_requests_spent_their_time():
+    assert http_load.server_timing("queue;dur=1.5, embed;dur=2, db;desc=\"x\";dur=0.5, app;dur=5, odd") == {
+        "queue": 0.0015, "embed": 0.002, "db": 0.0005, "app": 0.005}
+    # 99 fast requests and one slow one that waited for a request thread.
+    samples = [(0.010, "queue;dur=1, embed;dur=3, app;dur=6")] * 99 + [(0.110, "queue;dur=80, embed;dur=3, app;dur=86")]
+    went = http_load.where_time_went(samples)
+    assert went["n"] == 100
+    slowest, overall = went["slowest_1%_ms"], went["all_ms"]
+    assert slowest == pytest.approx({"latency": 110, "queue": 80, "embed": 3, "unnamed": 3, "outside": 24})
+    assert overall["latency"] == pytest.approx(11) and overall["queue"] == pytest.approx(1.79)
+    assert overall["unnamed"] == pytest.approx(2.01) and overall["outside"] == pytest.approx(4.2)
+    assert http_load.where_time_went([]) == {}
 
 
 def test_the_workload_is_seeded_and_spreads_memories_over_all_users():

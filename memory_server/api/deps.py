@@ -4,20 +4,21 @@ They are `async def` on purpose: FastAPI runs every plain `def` dependency in th
 one hop (and GIL hand-over) each per request. Only a key that is not cached touches the database,
 and that lookup goes to the thread pool.
 
-Routes are `async def` too, and pass their blocking service call to `run_in_threadpool`
-themselves: for a plain `def` route FastAPI also validates the returned model in the thread pool,
-a second hop that under load queues for a thread behind every request waiting for its first.
+Routes are `async def` too, and pass their blocking service call to the thread pool themselves
+(`timing.in_thread`, which also times the wait for a thread): for a plain `def` route FastAPI
+also validates the returned model in the thread pool, a second hop that under load queues for a
+thread behind every request waiting for its first.
 """
 
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 from sqlmodel import Session
-from starlette.concurrency import run_in_threadpool
 
 from memory_server.auth import Principal, parse_authorization, verify_key
 from memory_server.runtime import Runtime
 from memory_server.services.vector_memory import VectorMemory
+from memory_server.timing import in_thread
 
 
 async def get_runtime(request: Request) -> Runtime:
@@ -29,7 +30,7 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 async def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
     key = parse_authorization(authorization)
-    return runtime.keys.peek(key) or runtime.keys.put(key, await run_in_threadpool(_verify, runtime, key))
+    return runtime.keys.peek(key) or runtime.keys.put(key, await in_thread(_verify, runtime, key))
 
 
 def _verify(runtime: Runtime, key: str) -> Principal:

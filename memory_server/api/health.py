@@ -3,9 +3,9 @@
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
+from memory_server.timing import in_thread
 
 router = APIRouter(tags=["health"])
 
@@ -17,7 +17,7 @@ async def healthz() -> dict:
 
 @router.get("/readyz")
 async def readyz(runtime: RuntimeDep) -> JSONResponse:
-    checks = await run_in_threadpool(runtime.ready)
+    checks = await in_thread(runtime.ready)
     ok = all(checks.values())
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
@@ -26,7 +26,7 @@ async def readyz(runtime: RuntimeDep) -> JSONResponse:
 async def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
     principal.require_admin()
     metrics = request.app.state.metrics
-    info = await run_in_threadpool(runtime.index.info)
+    info = await in_thread(runtime.index.info)
     metrics.index_position.set(info.applied_position)
     metrics.index_points.set(info.points)
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,12 +2,12 @@
 
 from fastapi import APIRouter
 from sqlmodel import Session
-from starlette.concurrency import run_in_threadpool
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
 from memory_server.auth import Principal, create_key, list_keys, revoke_key
 from memory_server.runtime import Runtime
 from memory_server.schemas import KeyCreate, KeyCreated, KeyList, KeyPublic
+from memory_server.timing import in_thread
 
 router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
 
@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
 @router.post("", response_model=KeyCreated, status_code=201)
 async def create_api_key(body: KeyCreate, principal: PrincipalDep, runtime: RuntimeDep) -> KeyCreated:
     principal.require_admin()
-    return await run_in_threadpool(_create, runtime, principal, body)
+    return await in_thread(_create, runtime, principal, body)
 
 
 def _create(runtime: Runtime, principal: Principal, body: KeyCreate) -> KeyCreated:
@@ -28,7 +28,7 @@ def _create(runtime: Runtime, principal: Principal, body: KeyCreate) -> KeyCreat
 @router.get("", response_model=KeyList)
 async def list_api_keys(principal: PrincipalDep, runtime: RuntimeDep) -> KeyList:
     principal.require_admin()
-    return await run_in_threadpool(_list, runtime, principal)
+    return await in_thread(_list, runtime, principal)
 
 
 def _list(runtime: Runtime, principal: Principal) -> KeyList:
@@ -40,7 +40,7 @@ def _list(runtime: Runtime, principal: Principal) -> KeyList:
 @router.delete("/{key_id}", response_model=KeyPublic)
 async def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
     principal.require_admin()
-    revoked = await run_in_threadpool(_revoke, runtime, principal, key_id)
+    revoked = await in_thread(_revoke, runtime, principal, key_id)
     runtime.keys.clear()
     return revoked
 

@@ -1,19 +1,19 @@
 """Vector memory routes (API.md, section Vector memory).
 
-Routes are `async def` and hand the blocking service call to the thread pool themselves (see
-memory_server/api/deps.py for why).
+Routes are `async def` and hand the blocking service call to the thread pool themselves with
+`in_thread` (see memory_server/api/deps.py for why).
 """
 
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from starlette.concurrency import run_in_threadpool
 
 from memory_server.api.deps import MemoriesDep, PrincipalDep
 from memory_server.schemas import (
     SCOPE_ID_PATTERN, AddRequest, AddResponse, BatchAddRequest, DeleteResponse, HistoryResponse, MemoryOut,
     MemoryPage, SearchRequest, SearchResponse, UpdateRequest,
 )
+from memory_server.timing import in_thread
 
 router = APIRouter(prefix="/v1/memories", tags=["vector memory"])
 ScopeQuery = Annotated[str | None, Query(pattern=SCOPE_ID_PATTERN)]
@@ -21,17 +21,17 @@ ScopeQuery = Annotated[str | None, Query(pattern=SCOPE_ID_PATTERN)]
 
 @router.post("", response_model=AddResponse)
 async def add_memory(body: AddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
-    return await run_in_threadpool(memories.add, principal, body)
+    return await in_thread(memories.add, principal, body)
 
 
 @router.post("/batch", response_model=AddResponse)
 async def add_memories(body: BatchAddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
-    return await run_in_threadpool(memories.add_batch, principal, body.items)
+    return await in_thread(memories.add_batch, principal, body.items)
 
 
 @router.post("/search", response_model=SearchResponse)
 async def search_memories(body: SearchRequest, principal: PrincipalDep, memories: MemoriesDep) -> SearchResponse:
-    return SearchResponse(results=await run_in_threadpool(memories.search, principal, body))
+    return SearchResponse(results=await in_thread(memories.search, principal, body))
 
 
 @router.get("", response_model=MemoryPage)
@@ -39,34 +39,34 @@ async def list_memories(principal: PrincipalDep, memories: MemoriesDep, user_id:
                         agent_id: ScopeQuery = None, run_id: ScopeQuery = None,
                         limit: Annotated[int, Query(ge=1, le=200)] = 100,
                         cursor: Annotated[str | None, Query(max_length=512)] = None) -> MemoryPage:
-    return await run_in_threadpool(memories.list, principal, user_id=user_id, agent_id=agent_id, run_id=run_id,
-                                  limit=limit, cursor=cursor)
+    return await in_thread(memories.list, principal, user_id=user_id, agent_id=agent_id, run_id=run_id,
+                           limit=limit, cursor=cursor)
 
 
 @router.delete("", response_model=DeleteResponse)
 async def delete_scope(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
                        agent_id: ScopeQuery = None, run_id: ScopeQuery = None) -> DeleteResponse:
-    deleted = await run_in_threadpool(memories.delete_scope, principal, user_id=user_id, agent_id=agent_id,
-                                      run_id=run_id)
+    deleted = await in_thread(memories.delete_scope, principal, user_id=user_id, agent_id=agent_id,
+                              run_id=run_id)
     return DeleteResponse(deleted=deleted)
 
 
 @router.get("/{memory_id}", response_model=MemoryOut)
 async def get_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> MemoryOut:
-    return await run_in_threadpool(memories.get, principal, memory_id)
+    return await in_thread(memories.get, principal, memory_id)
 
 
 @router.patch("/{memory_id}", response_model=MemoryOut)
 async def update_memory(memory_id: str, body: UpdateRequest, principal: PrincipalDep,
                         memories: MemoriesDep) -> MemoryOut:
-    return await run_in_threadpool(memories.update, principal, memory_id, body)
+    return await in_thread(memories.update, principal, memory_id, body)
 
 
 @router.delete("/{memory_id}", response_model=DeleteResponse)
 async def delete_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> DeleteResponse:
-    return DeleteResponse(deleted=await run_in_threadpool(memories.delete, principal, memory_id))
+    return DeleteResponse(deleted=await in_thread(memories.delete, principal, memory_id))
 
 
 @router.get("/{memory_id}/history", response_model=HistoryResponse)
 async def memory_history(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> HistoryResponse:
-    return HistoryResponse(results=await run_in_threadpool(memories.history, principal, memory_id))
+    return HistoryResponse(results=await in_thread(memories.history, principal, memory_id))

@@ -36,6 +36,7 @@ from memory_server.storage.db import lock_change_log
 from memory_server.storage.vectors import IndexPoint, IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
+from memory_server.timing import stage, timed_iter
 
 log = logging.getLogger("memory_server")
 _NEVER = datetime(9999, 12, 31, tzinfo=timezone.utc)
@@ -80,7 +81,8 @@ class VectorMemory:
     def _publish(self, prepared: dict[str, IndexPoint] | None = None) -> None:
         """Apply the committed change to the index before answering (read-your-writes)."""
         try:
-            self.sync.catch_up(prepared)
+            with stage("index"):
+                self.sync.catch_up(prepared)
         except Exception as exc:
             log.exception("vector index apply failed")
             raise Unavailable("the change is saved, but the vector index could not apply it yet; "
@@ -116,11 +118,12 @@ class VectorMemory:
             raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories", field="items")
 
         # Vectors arrive in order while the rest are still being embedded (see embed_ahead).
-        vectors = self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned])
+        vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))
         results: list[AddResult] = []
         new_ids = iter(new_memory_ids(len(planned)))
         with Session(self.engine) as session:
-            existing = self._exact_duplicates(session, principal.tenant_id, planned, now)
+            with stage("db"):
+                existing = self._exact_duplicates(session, principal.tenant_id, planned, now)
             added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
             rows: list[dict] = []
             prepared: dict[str, IndexPoint] = {}  # index points, built while the model embeds the rest
@@ -145,11 +148,13 @@ class VectorMemory:
                     existing[(scope, digest)] = (memory_id, text)
                     added.setdefault(scope, []).append((vector, memory_id, text))
                     results.append(AddResult(id=memory_id, memory=text, event="ADD"))
-            if rows:
-                # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
-                session.execute(MemoryRecord.__table__.insert(), rows)
-                self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD", principal.key_id)
-            session.commit()
+            with stage("db"):
+                if rows:
+                    # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
+                    session.execute(MemoryRecord.__table__.insert(), rows)
+                    self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD",
+                                 principal.key_id)
+                session.commit()
         self._publish(prepared)
         return AddResponse(results=results, warnings=warnings)
 
@@ -216,10 +221,12 @@ class VectorMemory:
         queries = [IndexQuery(mode="dense", limit=NEAR_CANDIDATES, dense=group[i][1].tolist(), filter=All((
             Field("scope", "eq", scope_key(principal.tenant_id, *group[i][0].scope)),
         ))) for i in wanted]
-        close = {i: [hit.id for hit in hits if hit.score >= threshold]
-                 for i, hits in zip(wanted, self.index.search_batch(queries) if queries else [])}
+        with stage("index"):
+            hit_lists = self.index.search_batch(queries) if queries else []
+        close = {i: [hit.id for hit in hits if hit.score >= threshold] for i, hits in zip(wanted, hit_lists)}
         ids = {memory_id for found in close.values() for memory_id in found}
-        texts = _live_texts(session, ids, now)
+        with stage("db"):
+            texts = _live_texts(session, ids, now)
         return [[(m, texts[m]) for m in close.get(i, ()) if m in texts] for i in range(len(group))]
 
     def _near_duplicate(self, text: str, vector: np.ndarray, added: list[tuple[np.ndarray, str, str]],
@@ -267,7 +274,8 @@ class VectorMemory:
             raise InvalidInput("a search must name at least one of user_id, agent_id, run_id in filters",
                                field="filters")
         try:
-            self.sync.follow()
+            with stage("index"):
+                self.sync.follow()
         except Exception:  # answer from the index as it is; the maintenance thread retries
             log.exception("vector index could not follow the change log")
         now = utcnow()
@@ -279,11 +287,15 @@ class VectorMemory:
         # search runs again with the condition: never fewer results than with it all along.
         expiring = All((scope, Field("expires_at", "gt", now.timestamp())))
         settings = self.settings
+        dense = None
+        if request.mode != "keyword":
+            with stage("embed"):
+                dense = self.embedder.embed_query(request.query).tolist()
         query = IndexQuery(
             mode=request.mode,
             filter=expiring if self.index.may_hold_expired(now.timestamp()) else scope,
             limit=request.top_k + TIE_MARGIN,
-            dense=self.embedder.embed_query(request.query).tolist() if request.mode != "keyword" else None,
+            dense=dense,
             sparse=self.sparse.query(request.query) if request.mode != "dense" else None,
             candidates=max(settings.search_candidates, request.top_k),
             rrf_k=settings.rrf_k,
@@ -297,7 +309,8 @@ class VectorMemory:
     def _answer(self, principal: Principal, request: SearchRequest, query: IndexQuery,
                 now: datetime) -> tuple[list[ScoredMemory], bool]:
         """The index query's hits as results, and whether a hit was left out because it had expired."""
-        hits = self.index.search(query)
+        with stage("index"):
+            hits = self.index.search(query)
         used = query.weights if query.sparse and query.sparse.indices else query.weights[:1]
         scored = [(hit.id, normalize_score(request.mode, hit.score, query.rrf_k, used)) for hit in hits]
         # Equal scores (common in RRF) are ordered by id, so every backend and every replica
@@ -310,7 +323,7 @@ class VectorMemory:
         # By primary key alone: with the tenant in the WHERE clause too, SQLite may walk the tenant's
         # index instead. Tenant and expiry are checked on the rows. Plain rows, no ORM session: the
         # session and the statement's construction cost more than the lookup itself.
-        with self.engine.connect() as connection:
+        with stage("db"), self.engine.connect() as connection:
             found = [r for r in connection.execute(_HIT_ROWS, {"ids": [i for i, _ in scored]})
                      if r.tenant_id == principal.tenant_id]
         rows = {r.id: r for r in found if r.expires_at is None or r.expires_at > now}

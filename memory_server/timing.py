@@ -1,0 +1,108 @@
+"""Where a request's time went: named stages, sent back in the `Server-Timing` response header.
+
+The HTTP layer starts a `Timings` for each request (`timed_request`); the code under it marks its
+stages with `stage("name")`, which costs nothing when no request is being timed (in-process use).
+The thread pool copies the context into the request's thread, so the stages a request thread
+records land on the request's own `Timings`. Stages of the same name add up.
+
+Stages: `queue` (waiting for a request thread), `embed` (waiting for the model, batching included),
+`index` (the vector index: queries, following and applying the change log), `db` (SQL), `respond`
+(from the request thread's end to the response's start: the event loop taking the result back and
+turning it into JSON), and `app` (the whole request inside the server, from routing to the
+response's start).
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import wraps
+
+from starlette.concurrency import run_in_threadpool
+
+_current: ContextVar["Timings | None"] = ContextVar("memory_server_timings", default=None)
+
+
+class Timings:
+    __slots__ = ("started", "stages", "thread_ended")
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.stages: dict[str, float] = {}
+        self.thread_ended: float | None = None  # when the request's last request-thread work ended
+
+    def add(self, name: str, seconds: float) -> None:
+        self.stages[name] = self.stages.get(name, 0.0) + seconds
+
+    def header(self) -> bytes:
+        """The `Server-Timing` value: each stage in milliseconds, then `app` for the whole request."""
+        now = time.perf_counter()
+        parts = [f"{name};dur={seconds * 1000:.2f}" for name, seconds in self.stages.items()]
+        if self.thread_ended is not None:
+            parts.append(f"respond;dur={(now - self.thread_ended) * 1000:.2f}")
+        parts.append(f"app;dur={(now - self.started) * 1000:.2f}")
+        return ", ".join(parts).encode()
+
+
+@contextmanager
+def timed_request() -> Iterator[Timings]:
+    timings = Timings()
+    token = _current.set(timings)
+    try:
+        yield timings
+    finally:
+        _current.reset(token)
+
+
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    timings = _current.get()
+    if timings is None:
+        yield
+        return
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings.add(name, time.perf_counter() - started)
+
+
+def timed_iter(name: str, items: Iterator) -> Iterator:
+    """`items`, with the time spent waiting for each next one counted as stage `name`."""
+    timings = _current.get()
+    if timings is None:
+        yield from items
+        return
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(items)
+        except StopIteration:
+            timings.add(name, time.perf_counter() - started)
+            return
+        timings.add(name, time.perf_counter() - started)
+        yield item
+
+
+def queued(function: Callable) -> Callable:
+    """`function`, with the time from this call to the moment it starts (in a pool thread) counted
+    as stage `queue`, and its end noted (for `respond`): wrap it when handing it to the thread pool."""
+    timings = _current.get()
+    if timings is None:
+        return function
+    submitted = time.perf_counter()
+
+    @wraps(function)
+    def run(*args, **kwargs):
+        timings.add("queue", time.perf_counter() - submitted)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            timings.thread_ended = time.perf_counter()
+
+    return run
+
+
+async def in_thread(function: Callable, *args, **kwargs):
+    """`function(*args, **kwargs)` in the request thread pool, its wait for a thread timed as `queue`."""
+    return await run_in_threadpool(queued(function), *args, **kwargs)

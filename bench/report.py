@@ -178,7 +178,28 @@ def part3(http):
             + _table(["workers", "clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",
                       "CPU server / client", "server CPU ms / request"], rows)
             + "\n\n" + "\n".join(f"- {n}" for n in http.get("notes", []))
-            + "\n\n![http latency](benchmarks/part3-http-latency.png)\n")
+            + "\n\n![http latency](benchmarks/part3-http-latency.png)\n"
+            + _where_time_went(http["levels"]))
+
+
+STAGES = ("queue", "embed", "index", "db", "respond", "unnamed", "outside")
+
+
+def _where_time_went(levels) -> str:
+    """Part 3's Server-Timing stages (bench/http_load.py: where_time_went), means in ms, per level and kind."""
+    rows = [[lv.get("workers", 1), lv["clients"], op, which.replace("_ms", "").replace("_", " "),
+             *(_f(means.get(name)) for name in ("latency", *STAGES))]
+            for lv in levels for op, found in lv.get("stages", {}).items()
+            for which, means in found.items() if which.endswith("_ms")]
+    if not rows:
+        return ""
+    return ("\nWhere a request's time went, from the server's `Server-Timing` header (mean ms over all "
+            "requests and over the slowest 1%): `queue` waiting for a request thread, `embed` waiting for "
+            "the model (batching included), `index` the vector index, `db` SQL, `respond` from the request "
+            "thread's end to the response, `unnamed` the rest of the server's time (validation, routing, "
+            "the service's own Python), `outside` what the client waited beyond the server's time (event "
+            "loop queue, HTTP parsing, the kernel, the load generator).\n\n"
+            + _table(["workers", "clients", "kind", "requests", "latency", *STAGES], rows) + "\n")
 
 
 def part4(locomo):

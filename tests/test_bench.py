@@ -36,6 +36,12 @@ def test_the_http_part_reads_server_timing_and_says_where_the_slowest_requests_s
     assert overall["latency"] == pytest.approx(11) and overall["queue"] == pytest.approx(1.79)
     assert overall["unnamed"] == pytest.approx(2.01) and overall["outside"] == pytest.approx(4.2)
     assert http_load.where_time_went([]) == {}
+    # The report turns each level's stages into one row per kind of request and share.
+    table = report._where_time_went([{"workers": 2, "clients": 64, "stages": {"search": went}}, {"clients": 16}])
+    rows = [line for line in table.splitlines() if line.startswith("| 2 | 64 |")]
+    assert rows == ["| 2 | 64 | search | all | 11.0 | 1.8 | 3.0 | – | – | – | 2.0 | 4.2 |",
+                    "| 2 | 64 | search | slowest 1% | 110.0 | 80.0 | 3.0 | – | – | – | 3.0 | 24.0 |"]
+    assert report._where_time_went([{"clients": 16}]) == ""
 
 
 def test_the_workload_is_seeded_and_spreads_memories_over_all_users():

@@ -1,4 +1,5 @@
-"""Where a request's time went: named stages, sent back in the `Server-Timing` response header.
+"""Where a request's time went: named stages, sent back in the `Server-Timing` response header
+and counted in the `memory_server_http_request_stage_seconds` histogram of `/metrics`.
 
 The HTTP layer starts a `Timings` for each request (`timed_request`); the code under it marks its
 stages with `stage("name")`, which costs nothing when no request is being timed (in-process use).
@@ -34,14 +35,20 @@ class Timings:
     def add(self, name: str, seconds: float) -> None:
         self.stages[name] = self.stages.get(name, 0.0) + seconds
 
-    def header(self) -> bytes:
-        """The `Server-Timing` value: each stage in milliseconds, then `app` for the whole request."""
+    def finish(self) -> dict[str, float]:
+        """At the response's start: each stage in seconds, then `respond` (when a request thread
+        ran) and `app` for the whole request."""
         now = time.perf_counter()
-        parts = [f"{name};dur={seconds * 1000:.2f}" for name, seconds in self.stages.items()]
+        finished = dict(self.stages)
         if self.thread_ended is not None:
-            parts.append(f"respond;dur={(now - self.thread_ended) * 1000:.2f}")
-        parts.append(f"app;dur={(now - self.started) * 1000:.2f}")
-        return ", ".join(parts).encode()
+            finished["respond"] = now - self.thread_ended
+        finished["app"] = now - self.started
+        return finished
+
+    @staticmethod
+    def header(finished: dict[str, float]) -> bytes:
+        """The `Server-Timing` value of `finish()`'s stages, in milliseconds."""
+        return ", ".join(f"{name};dur={seconds * 1000:.2f}" for name, seconds in finished.items()).encode()
 
 
 @contextmanager

@@ -43,14 +43,46 @@ def test_responses_say_where_their_time_went_in_a_server_timing_header(server):
     assert refused.status_code == 422 and set(_stages(refused)) >= {"app"}
 
 
-def test_the_server_timing_header_can_be_turned_off(tmp_path, embedder):
+def _stage_counts(metrics_text: str, route: str) -> dict[str, float]:
+    """{stage: requests counted} of one route in the stage histogram of a /metrics page."""
+    counts = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("memory_server_http_request_stage_seconds_count{") and f'route="{route}"' in line:
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            counts[stage] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_metrics_count_requests_and_their_stages_for_admins_only(server):
+    agent = server.create_key()
+    with server.client(agent) as c:
+        assert c.post("/v1/memories", json={"text": "Alice keeps bees", "user_id": "alice"}).status_code == 200
+        for query in ("who keeps bees?", "honey"):
+            assert c.post("/v1/memories/search", json={"query": query, "user_id": "alice"}).status_code == 200
+        refused = c.get("/metrics")
+    assert refused.status_code == 403
+    with server.client() as c:
+        page = c.get("/metrics")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    text = page.text
+    assert 'memory_server_http_requests_total{method="POST",route="/v1/memories/search",status="200"} 2.0' in text
+    assert 'memory_server_http_requests_total{method="GET",route="/metrics",status="403"} 1.0' in text
+    stages = _stage_counts(text, "/v1/memories/search")
+    assert stages["queue"] == stages["embed"] == stages["index"] == stages["db"] == stages["respond"] == 2
+    assert "app" not in stages  # the whole request is memory_server_http_request_seconds
+    assert "memory_server_index_points" in text
+
+
+def test_the_server_timing_header_can_be_turned_off_and_the_stages_are_still_counted(tmp_path, embedder):
     from conftest import make_settings, start_server
 
     live, stop = start_server(make_settings(tmp_path, server_timing=False), embedder)
     try:
         with live.client() as c:
             response = c.post("/v1/memories/search", json={"query": "bees", "user_id": "alice"})
+            text = c.get("/metrics").text
         assert response.status_code == 200 and "server-timing" not in response.headers
+        assert _stage_counts(text, "/v1/memories/search")["embed"] == 1
     finally:
         stop()
 
@@ -68,5 +100,8 @@ def test_stages_cost_nothing_and_record_nothing_outside_a_timed_request():
             pass
         assert list(timed_iter("embed", iter([1, 2]))) == [1, 2]
     assert isinstance(timings, Timings) and set(timings.stages) == {"db", "embed"}
-    parts = timings.header().decode().split(", ")
+    finished = timings.finish()
+    assert list(finished) == ["db", "embed", "app"] and finished["app"] >= finished["db"] + finished["embed"]
+    parts = Timings.header(finished).decode().split(", ")
     assert [p.split(";")[0] for p in parts] == ["db", "embed", "app"] and all(";dur=" in p for p in parts)
+    assert parts[-1] == f"app;dur={finished['app'] * 1000:.2f}"

@@ -45,7 +45,8 @@ def serve(
     configure_logging(settings)
     # A longer keep-alive than uvicorn's 5 s: clients and proxies that reuse connections under load
     # otherwise race the server's close (seen as rare connection resets in the HTTP benchmark).
-    options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30)
+    options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30,
+                   access_log=settings.access_log)
     if settings.workers == 1:
         uvicorn.run(create_app(settings), **options)
         return

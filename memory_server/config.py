@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     request_threads: int = Field(12, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
     server_timing: bool = True  # a Server-Timing header on each response: where its time went (timing.py)
     log_level: str = "INFO"
+    access_log: bool = True  # uvicorn's line per request
 
     @field_validator("data_dir")
     @classmethod

@@ -74,7 +74,7 @@ def test_serve_writes_bootstrap_key_0600_and_logs_only_its_path(served):
 
 
 def test_walkthrough_cli_agent_key_add_search(served):
-    url, data_dir, _ = served
+    url, data_dir, log_path = served
     created = run_cli("keys", "create", "--tenant", "default", "--role", "agent", "--user-id", "alice", data_dir=data_dir)
     agent_key = created.stdout.strip().splitlines()[-1]
     headers = {"Authorization": f"Bearer {agent_key}"}
@@ -85,6 +85,16 @@ def test_walkthrough_cli_agent_key_add_search(served):
     assert response.status_code == 200, (response.status_code, response.text)
     found = response.json()
     assert found["results"][0]["memory"] == "Alice likes green tea" and found["results"][0]["user_id"] == "alice"
+    assert '"POST /v1/memories/search HTTP/1.1" 200' in log_path.read_text()  # the access log, on by default
+
+
+def test_serve_can_leave_out_the_access_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMORY_SERVER_ACCESS_LOG", "false")
+    with serving(tmp_path) as (url, _, log_path):
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        assert httpx.get(f"{url}/v1/memories/nope").status_code == 401
+        log = log_path.read_text()
+    assert "Application startup complete" in log and "GET /healthz" not in log and "/v1/memories" not in log
 
 
 def test_keys_create_list_revoke(tmp_path):

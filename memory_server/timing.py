@@ -85,9 +85,9 @@ def timed_iter(name: str, items: Iterator) -> Iterator:
         try:
             item = next(items)
         except StopIteration:
-            timings.add(name, time.perf_counter() - started)
             return
-        timings.add(name, time.perf_counter() - started)
+        finally:
+            timings.add(name, time.perf_counter() - started)
         yield item
 
 

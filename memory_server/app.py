@@ -1,4 +1,5 @@
-"""create_app(settings) -> FastAPI: a lifespan opens and closes the backends."""
+"""create_app(settings) -> FastAPI: a lifespan opens and closes the backends; plain ASGI layers in
+front observe every request, hold bodies to the limit and answer the hot routes directly."""
 
 import logging
 import time
@@ -7,11 +8,14 @@ from contextlib import asynccontextmanager
 import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memory_server import __version__
 from memory_server.api import health, keys, memories
+from memory_server.api.direct import DirectRoutes, direct_routes
+from memory_server.api.responses import (
+    domain_error_response, error_response, internal_error_response, validation_error_response,
+)
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
 from memory_server.errors import MemoryServerError
@@ -53,40 +57,47 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         finally:
             runtime.close()
 
-    app = FastAPI(title="memory-server", version=__version__, lifespan=lifespan,
-                  description="Long-term memory for LLM agents. Contract: API.md.")
+    app = MemoryServerApp(title="memory-server", version=__version__, lifespan=lifespan,
+                          description="Long-term memory for LLM agents. Contract: API.md.")
     app.state.metrics = Metrics()
     for router in ROUTERS:
         app.include_router(router)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(ObserveRequests, metrics=app.state.metrics, server_timing=settings.server_timing)
+    front = app.behind
+    if settings.direct_routes:
+        front = DirectRoutes(front, app, direct_routes(memories.router, memories.DIRECT))
+    front = BodyLimit(front, max_bytes=settings.max_body_bytes)
+    app.front = ObserveRequests(front, metrics=app.state.metrics, server_timing=settings.server_timing)
     return app
 
 
-def error_response(status: int, code: str, message: str, field: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, "field": field}}, status_code=status)
+class MemoryServerApp(FastAPI):
+    """FastAPI behind a front of plain ASGI layers (`front`, set by create_app) that every request
+    passes first. The front sits outside FastAPI's own middleware stack, which a request it answers
+    (memory_server/api/direct.py) never enters."""
+
+    front = None
+
+    async def __call__(self, scope, receive, send):
+        await (self.front or self.behind)(scope, receive, send)
+
+    async def behind(self, scope, receive, send):
+        """FastAPI itself."""
+        await super().__call__(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MemoryServerError)
     async def _domain(_: Request, exc: MemoryServerError):
-        return error_response(exc.status, exc.code, exc.message, exc.field)
+        return domain_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        loc = list(first.get("loc", ()))
+        loc = tuple(first.get("loc", ()))
         if loc and loc[0] in ("body", "query", "path", "header"):
             loc = loc[1:]
-        location = [f"[{p}]" if isinstance(p, int) else str(p) for p in loc]
-        field = ".".join(location).replace(".[", "[") or None
-        if first.get("type") == "json_invalid":
-            return error_response(400, "malformed_json", "request body is not valid JSON", None)
-        if first.get("type") == "missing" and not location:
-            return error_response(422, "invalid_input", "request body is required", None)
-        message = first.get("msg", "invalid input")
-        return error_response(422, "invalid_input", f"{field}: {message}" if field else message, field)
+        return validation_error_response([{**first, "loc": loc}])
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
@@ -95,7 +106,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
         log.exception("unhandled error")
-        return error_response(500, "internal_error", "internal error; see the server log")
+        return internal_error_response()
 
 
 class ObserveRequests:

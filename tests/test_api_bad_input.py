@@ -1,4 +1,8 @@
-"""Bad input over HTTP: every case gets its 4xx and the error JSON naming the field, and nothing is half-written."""
+"""Bad input over HTTP: every case gets its 4xx and the error JSON naming the field, and nothing is half-written.
+
+Every test runs twice: with add, batch add and search answered ahead of FastAPI (memory_server/api/direct.py,
+the default) and with FastAPI answering every route.
+"""
 
 import base64
 import json
@@ -8,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 import httpx
 import pytest
+from conftest import make_settings
 
 MAX_BODY = 1024 * 1024
 MAX_TEXT = 32 * 1024
@@ -71,6 +76,11 @@ def post_raw(client: httpx.Client, path: str, content, method: str = "POST") -> 
 
 def cursor_of(value) -> str:
     return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+
+@pytest.fixture(params=["direct", "fastapi"])
+def settings(request, tmp_path, database_url):
+    return make_settings(tmp_path / "data", database_url, direct_routes=request.param == "direct")
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 import inspect
 
+import httpx
+
 from memory_server.app import ROUTERS
 
 
@@ -105,3 +107,70 @@ def test_stages_cost_nothing_and_record_nothing_outside_a_timed_request():
     parts = Timings.header(finished).decode().split(", ")
     assert [p.split(";")[0] for p in parts] == ["db", "embed", "app"] and all(";dur=" in p for p in parts)
     assert parts[-1] == f"app;dur={finished['app'] * 1000:.2f}"
+
+
+def _comparable(value):
+    """A response's JSON without what differs between two stores: ids and times."""
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items() if k not in ("id", "created_at", "updated_at")}
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    return value
+
+
+# (method, path, body as JSON or raw bytes, content type): good requests and bad ones for each direct route.
+SAME_BOTH_WAYS = [
+    ("POST", "/v1/memories", {"text": "Alice keeps bees on her roof", "user_id": "alice", "metadata": {"n": 1}}, None),
+    ("POST", "/v1/memories/batch", {"items": [{"text": "Alice likes green tea", "user_id": "alice"},
+                                              {"text": "Bob rides a red bike", "user_id": "bob"}]}, None),
+    ("POST", "/v1/memories/search", {"query": "who keeps bees?", "user_id": "alice"}, None),
+    ("POST", "/v1/memories/search", {"query": "tea", "user_id": "alice", "mode": "keyword", "top_k": 1}, None),
+    ("POST", "/v1/memories/search", {"query": "bike", "filters": {"user_id": "bob"}, "mode": "dense"}, None),
+    ("POST", "/v1/memories", {"text": "", "user_id": "alice"}, None),
+    ("POST", "/v1/memories", {"text": "x", "user_id": "alice", "metadata": [1]}, None),
+    ("POST", "/v1/memories/batch", {"items": [{"text": "ok", "user_id": "a"}, {"text": 5, "user_id": "a"}]}, None),
+    ("POST", "/v1/memories/search", {"query": "bees", "top_k": 0, "user_id": "alice"}, None),
+    ("POST", "/v1/memories/search", {"query": "bees"}, None),
+    ("POST", "/v1/memories/search", b'{"query": "bees", ', "application/json"),
+    ("POST", "/v1/memories/search", b"[1, 2]", "application/json"),
+    ("POST", "/v1/memories", b"", "application/json"),
+    ("POST", "/v1/memories", b'{"text": "Alice keeps bees", "user_id": "alice"}', "text/plain"),
+    ("POST", "/v1/memories", b'{"text": "Alice keeps bees", "user_id": "alice"}', None),
+    ("POST", "/v1/memories", b'{"text": "Alice keeps bees", "user_id": "alice"}', "application/vnd.api+json"),
+    ("GET", "/v1/memories/search", None, None),
+]
+
+
+def test_direct_routes_answer_exactly_as_fastapi_does(tmp_path, embedder):
+    from conftest import make_settings, start_server
+
+    answers = {}
+    for direct in (True, False):
+        live, stop = start_server(make_settings(tmp_path / str(direct), direct_routes=direct), embedder)
+        try:
+            with live.client() as c:
+                responses = []
+                for method, path, body, content_type in SAME_BOTH_WAYS:
+                    headers = {"Content-Type": content_type} if content_type else {}
+                    if isinstance(body, bytes):
+                        response = c.request(method, path, content=body, headers=headers)
+                    else:
+                        response = c.request(method, path, json=body)
+                    responses.append((response.status_code, response.headers["content-type"],
+                                      _comparable(response.json())))
+                metrics = c.get("/metrics").text
+        finally:
+            stop()
+        answers[direct] = responses
+        # Requests answered directly are counted under their route, like FastAPI's.
+        assert 'memory_server_http_requests_total{method="POST",route="/v1/memories/search",status="200"} 3.0' in metrics
+    assert answers[True] == answers[False]
+    statuses = [status for status, _, _ in answers[True]]
+    assert statuses == [200, 200, 200, 200, 200, 422, 422, 422, 422, 422, 400, 422, 422, 422, 422, 200, 404]
+    assert answers[True][2][2]["results"][0]["memory"] == "Alice keeps bees on her roof"
+
+
+def test_a_direct_route_checks_the_key_before_it_reads_the_body(server):
+    with httpx.Client(base_url=server.url, timeout=30) as anonymous:
+        response = anonymous.post("/v1/memories/search", content=b'{"query": ', headers={"Content-Type": "application/json"})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "unauthorized"

@@ -29,6 +29,11 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
 async def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    return await principal_for(runtime, authorization)
+
+
+async def principal_for(runtime: Runtime, authorization: str | None) -> Principal:
+    """The principal of an Authorization header's key: from the key cache, or verified in a request thread."""
     key = parse_authorization(authorization)
     return runtime.keys.peek(key) or runtime.keys.put(key, await in_thread(_verify, runtime, key))
 

@@ -49,6 +49,24 @@ def test_add_returns_id_and_event_and_get_reads_it_back(server):
         assert got["hash"] and got["created_at"].endswith("Z") or "+00:00" in got["created_at"]
 
 
+def test_a_search_hit_carries_the_memory_exactly_as_get_reads_it(server):
+    # Searches read their hits' rows through the driver's cursor (storage/db.py: driver_rows),
+    # reads through the ORM: the same fields, times and metadata on every database.
+    expires = (datetime.now(timezone.utc) + timedelta(days=3)).isoformat()
+    metadata = {"topic": "travel", "seats": [1, 2.5, True, None], "nested": {"k": "v", "n": -7}, "note": "ünï 中文"}
+    with server.client() as c:
+        first = add(c, "Bob prefers window seats on long flights", user_id="bob", agent_id="planner", run_id="r1",
+                    metadata=metadata, expires_at=expires)
+        second = add(c, "Bob collects stamps from Iceland", user_id="bob")
+        for mode in ("hybrid", "dense", "keyword"):
+            hits = {hit["id"]: hit for hit in search(c, "Bob window seats stamps", filters={"user_id": "bob"}, mode=mode)}
+            for added in (first, second):
+                got = c.get(f"/v1/memories/{added['id']}").json()
+                assert {k: v for k, v in hits[added["id"]].items() if k != "score"} == got, mode
+    assert got["metadata"] == {} and hits[first["id"]]["metadata"] == metadata
+    assert hits[first["id"]]["expires_at"] is not None and hits[second["id"]]["expires_at"] is None
+
+
 def test_messages_store_each_non_system_message_with_its_role(server):
     with server.client() as c:
         response = c.post("/v1/memories", json={"user_id": "carol", "messages": [

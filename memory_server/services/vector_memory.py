@@ -32,7 +32,7 @@ from memory_server.schemas import (
 )
 from memory_server.services.filters import bounds_scope, parse_filters, restrict
 from memory_server.services.index_sync import IndexSync, point_for, scope_key
-from memory_server.storage.db import lock_change_log
+from memory_server.storage.db import driver_rows, lock_change_log, placeholders, stored_json, stored_time
 from memory_server.storage.vectors import IndexPoint, IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
@@ -321,15 +321,20 @@ class VectorMemory:
         if not scored:
             return [], False
         # By primary key alone: with the tenant in the WHERE clause too, SQLite may walk the tenant's
-        # index instead. Tenant and expiry are checked on the rows. Plain rows, no ORM session: the
-        # session and the statement's construction cost more than the lookup itself.
+        # index instead. Tenant and expiry are checked on the rows. The driver's cursor, no ORM and no
+        # SQLAlchemy statement: their machinery cost 4x the lookup itself (storage/db.py).
+        ids = [i for i, _ in scored]
         with stage("db"), self.engine.connect() as connection:
-            found = [r for r in connection.execute(_HIT_ROWS, {"ids": [i for i, _ in scored]})
-                     if r.tenant_id == principal.tenant_id]
-        rows = {r.id: r for r in found if r.expires_at is None or r.expires_at > now}
+            found = [HitRow(*r) for r in driver_rows(connection, _HIT_ROWS + f"({placeholders(connection, len(ids))})", ids)
+                     if r[1] == principal.tenant_id]
+        rows = {}
+        for r in found:
+            expires_at = stored_time(r.expires_at)
+            if expires_at is None or expires_at > now:
+                rows[r.id] = r._replace(expires_at=expires_at)
         results = [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
-                                metadata=r.meta, created_at=r.created_at, updated_at=r.updated_at,
-                                expires_at=r.expires_at, hash=r.hash, score=s)
+                                metadata=stored_json(r.meta), created_at=stored_time(r.created_at),
+                                updated_at=stored_time(r.updated_at), expires_at=r.expires_at, hash=r.hash, score=s)
                    for i, s in scored if (r := rows.get(i)) is not None]
         return results, len(rows) < len(found)
 
@@ -495,11 +500,24 @@ def _numbers(text: str) -> list[str]:
     return sorted(_NUMBER.findall(text))
 
 
-_HIT_ROWS = select(
-    MemoryRecord.id, MemoryRecord.tenant_id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
-    MemoryRecord.text, col(MemoryRecord.meta).label("meta"), MemoryRecord.created_at, MemoryRecord.updated_at,
-    MemoryRecord.expires_at, MemoryRecord.hash,
-).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
+class HitRow(NamedTuple):
+    """What a search returns of a hit's row, as the driver gives it (storage/db.py: stored_time, stored_json)."""
+    id: str
+    tenant_id: str
+    user_id: str | None
+    agent_id: str | None
+    run_id: str | None
+    text: str
+    meta: object
+    created_at: object
+    updated_at: object
+    expires_at: object
+    hash: str
+
+
+# The id list (placeholders) is added when it runs.
+_HIT_ROWS = ("SELECT id, tenant_id, user_id, agent_id, run_id, text, metadata, created_at, updated_at, expires_at, hash "
+             f"FROM {MemoryRecord.__tablename__} WHERE id IN ")
 
 
 # Statements the add path runs on every request, built once: building a select costs more than

@@ -1,11 +1,12 @@
 """create_app(settings) -> FastAPI: a lifespan opens and closes the backends; plain ASGI layers in
 front observe every request, hold bodies to the limit and answer the hot routes directly."""
 
+import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,8 +46,10 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # Request handlers run in anyio's thread pool; its size bounds how many share the GIL at once.
-        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.request_threads
+        # Requests run their blocking work in the event loop's default executor (timing.in_thread);
+        # its size bounds how many share the GIL at once.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(settings.request_threads, thread_name_prefix="request"))
         runtime = Runtime.open(settings, embedder=embedder, background=True)
         key_file = ensure_bootstrap_key(runtime.engine, settings.data_dir)
         if key_file is not None:

@@ -3,8 +3,9 @@ and counted in the `memory_server_http_request_stage_seconds` histogram of `/met
 
 The HTTP layer starts a `Timings` for each request (`timed_request`); the code under it marks its
 stages with `stage("name")`, which costs nothing when no request is being timed (in-process use).
-The thread pool copies the context into the request's thread, so the stages a request thread
-records land on the request's own `Timings`. Stages of the same name add up.
+`in_thread` runs the request's blocking work in a request thread with the request's context, so
+the stages a request thread records land on the request's own `Timings`. Stages of the same name
+add up.
 
 Stages: `queue` (waiting for a request thread), `embed` (waiting for the model, batching included),
 `index` (the vector index: queries, following and applying the change log), `db` (SQL), `respond`
@@ -13,13 +14,12 @@ turning it into JSON), and `app` (the whole request inside the server, from rout
 response's start).
 """
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from functools import wraps
-
-from starlette.concurrency import run_in_threadpool
+from contextvars import ContextVar, copy_context
+from functools import partial, wraps
 
 _current: ContextVar["Timings | None"] = ContextVar("memory_server_timings", default=None)
 
@@ -111,5 +111,9 @@ def queued(function: Callable) -> Callable:
 
 
 async def in_thread(function: Callable, *args, **kwargs):
-    """`function(*args, **kwargs)` in the request thread pool, its wait for a thread timed as `queue`."""
-    return await run_in_threadpool(queued(function), *args, **kwargs)
+    """`function(*args, **kwargs)` in a request thread, with this context, its wait for a thread
+    timed as `queue`. The request threads are the event loop's default executor (the app's lifespan
+    sizes it; waiting calls start in arrival order): handing a call over that way costs ~40 µs of
+    CPU, anyio's `to_thread` (FastAPI's and Starlette's thread pool) ~90 µs (bench/analysis.md, round 21)."""
+    call = partial(copy_context().run, queued(function), *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(None, call)

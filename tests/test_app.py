@@ -174,3 +174,20 @@ def test_a_direct_route_checks_the_key_before_it_reads_the_body(server):
     with httpx.Client(base_url=server.url, timeout=30) as anonymous:
         response = anonymous.post("/v1/memories/search", content=b'{"query": ', headers={"Content-Type": "application/json"})
     assert response.status_code == 401 and response.json()["error"]["code"] == "unauthorized"
+
+
+def test_a_running_server_keeps_its_startup_objects_out_of_the_collectors_sight(tmp_path, embedder):
+    # A full collection walks every tracked object while the whole process waits; what the server
+    # holds from its start (model, engine, schemas) is frozen, and handed back when it stops.
+    import gc
+
+    from conftest import make_settings, start_server
+
+    live, stop = start_server(make_settings(tmp_path), embedder)
+    try:
+        assert gc.get_freeze_count() > 10_000
+        with live.client() as c:
+            assert c.post("/v1/memories/search", json={"query": "bees", "user_id": "alice"}).status_code == 200
+    finally:
+        stop()
+    assert gc.get_freeze_count() == 0

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 import numpy as np
 from sqlalchemy import and_, bindparam, delete as sql_delete, func, or_, tuple_
 from sqlalchemy.orm import defer
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
 from memory_server.auth import Principal
@@ -121,14 +121,16 @@ class VectorMemory:
         vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))
         results: list[AddResult] = []
         new_ids = iter(new_memory_ids(len(planned)))
-        with Session(self.engine) as session:
+        # A plain connection, no ORM session: an add runs Core statements only, and the session's
+        # machinery cost ~110 µs a statement (bench/analysis.md, round 21).
+        with self.engine.connect() as connection:
             with stage("db"):
-                existing = self._exact_duplicates(session, principal.tenant_id, planned, now)
+                existing = self._exact_duplicates(connection, principal.tenant_id, planned, now)
             added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
             rows: list[dict] = []
             prepared: dict[str, IndexPoint] = {}  # index points, built while the model embeds the rest
             for group in _groups(zip(planned, vectors), self.embedder.batch_size):
-                stored = self._stored_near_duplicates(session, principal, group, existing, now)
+                stored = self._stored_near_duplicates(connection, principal, group, existing, now)
                 for (planned_memory, vector), candidates in zip(group, stored):
                     scope, text, metadata, expires_at, context = planned_memory
                     digest = text_hash(text)
@@ -151,10 +153,10 @@ class VectorMemory:
             with stage("db"):
                 if rows:
                     # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
-                    session.execute(MemoryRecord.__table__.insert(), rows)
-                    self._record(session, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD",
+                    connection.execute(MemoryRecord.__table__.insert(), rows)
+                    self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD",
                                  principal.key_id)
-                session.commit()
+                connection.commit()
         self._publish(prepared)
         return AddResponse(results=results, warnings=warnings)
 
@@ -190,7 +192,7 @@ class VectorMemory:
         if len(text.encode()) > self.settings.max_memory_bytes:
             raise InvalidInput(f"memory text exceeds {self.settings.max_memory_bytes} bytes", field=field)
 
-    def _exact_duplicates(self, session: Session, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
+    def _exact_duplicates(self, session: Session | Connection, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
         keys = {(p.scope, text_hash(p.text)) for p in planned}
         hashes = sorted({h for _, h in keys})
@@ -209,7 +211,7 @@ class VectorMemory:
         found = session.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
         return {((u, a, r), h): (i, text) for i, u, a, r, h, text in found if ((u, a, r), h) in wanted}
 
-    def _stored_near_duplicates(self, session: Session, principal: Principal, group: list[tuple[Planned, np.ndarray]],
+    def _stored_near_duplicates(self, session: Session | Connection, principal: Principal, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
         """For each planned memory of a group: the stored memories of its scope that it comes close
         to (cosine >= the dedup threshold), as (id, text), closest first. One batched index query
@@ -241,7 +243,7 @@ class VectorMemory:
                 return other_id, other_text
         return next(((i, t) for i, t in stored if _numbers(t) == numbers), None)
 
-    def _record(self, session: Session, changes: list[tuple], event: str, actor: str) -> None:
+    def _record(self, session: Session | Connection, changes: list[tuple], event: str, actor: str) -> None:
         """History entries and change-log entries for (memory, old text, new text) changes, in the
         same transaction as the change itself."""
         if not changes:
@@ -482,7 +484,7 @@ def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
-def _live_texts(session: Session, ids: set[str], now: datetime) -> dict[str, str]:
+def _live_texts(session: Session | Connection, ids: set[str], now: datetime) -> dict[str, str]:
     """{id: text} of the given memories (the ones that exist and have not expired)."""
     if not ids:
         return {}

@@ -93,10 +93,11 @@ def create_schema(engine: Engine) -> None:
                 connection.execute(text(f"DROP INDEX IF EXISTS {name}"))
 
 
-def lock_change_log(session: Session) -> None:
+def lock_change_log(session: Session | Connection) -> None:
     """Hold the append lock until commit, so a reader never sees position N+1 before N."""
-    if session.get_bind().dialect.name == "postgresql":
-        session.exec(text("SELECT pg_advisory_xact_lock(:k)").bindparams(k=CHANGE_LOG_LOCK_ID))
+    bind = session if isinstance(session, Connection) else session.get_bind()
+    if bind.dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:k)").bindparams(k=CHANGE_LOG_LOCK_ID))
 
 
 def driver_rows(connection: Connection, sql: str, params: Sequence = ()) -> list[tuple]:

@@ -82,15 +82,9 @@ class DirectRoutes:
             return domain_error_response(exc)
         except ValidationError as exc:
             return validation_error_response(exc.errors(include_url=False))
-        except MalformedJson:
-            return validation_error_response([{"type": "json_invalid", "loc": ()}])
         except Exception:
             log.exception("unhandled error")
             return internal_error_response()
-
-
-class MalformedJson(Exception):
-    """A body declared as JSON that is not."""
 
 
 def _parse(model: type[BaseModel], body: bytes, content_type: str | None) -> BaseModel:
@@ -102,8 +96,9 @@ def _parse(model: type[BaseModel], body: bytes, content_type: str | None) -> Bas
     if _is_json(content_type):
         try:
             body = json.loads(body)
-        except ValueError:
-            raise MalformedJson() from None
+        except ValueError as exc:
+            raise ValidationError.from_exception_data(
+                model.__name__, [{"type": "json_invalid", "loc": (), "input": body, "ctx": {"error": str(exc)}}]) from None
     return model.model_validate(body, from_attributes=True)  # as FastAPI validates a body
 
 

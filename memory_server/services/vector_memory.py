@@ -192,7 +192,7 @@ class VectorMemory:
         if len(text.encode()) > self.settings.max_memory_bytes:
             raise InvalidInput(f"memory text exceeds {self.settings.max_memory_bytes} bytes", field=field)
 
-    def _exact_duplicates(self, session: Session | Connection, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
+    def _exact_duplicates(self, connection: Connection, tenant_id: str, planned: list[Planned], now: datetime) -> dict:
         """Live memories with the same text in the same scope as a planned one: {(scope, hash): (id, text)}."""
         keys = {(p.scope, text_hash(p.text)) for p in planned}
         hashes = sorted({h for _, h in keys})
@@ -205,13 +205,13 @@ class VectorMemory:
         scopes = {scope for scope, _ in keys}
         pairs = sorted({(h, scope[0]) for scope, h in keys if scope[0] is not None})
         params = {"tenant": tenant_id, "hashes": hashes, "pairs": pairs}
-        wanted = {((u, a, r), h) for u, a, r, h in session.execute(_HASH_SCOPES, params) if (u, a, r) in scopes}
+        wanted = {((u, a, r), h) for u, a, r, h in connection.execute(_HASH_SCOPES, params) if (u, a, r) in scopes}
         if not wanted:
             return {}
-        found = session.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
+        found = connection.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
         return {((u, a, r), h): (i, text) for i, u, a, r, h, text in found if ((u, a, r), h) in wanted}
 
-    def _stored_near_duplicates(self, session: Session | Connection, principal: Principal, group: list[tuple[Planned, np.ndarray]],
+    def _stored_near_duplicates(self, connection: Connection, principal: Principal, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
         """For each planned memory of a group: the stored memories of its scope that it comes close
         to (cosine >= the dedup threshold), as (id, text), closest first. One batched index query
@@ -228,7 +228,7 @@ class VectorMemory:
         close = {i: [hit.id for hit in hits if hit.score >= threshold] for i, hits in zip(wanted, hit_lists)}
         ids = {memory_id for found in close.values() for memory_id in found}
         with stage("db"):
-            texts = _live_texts(session, ids, now)
+            texts = _live_texts(connection, ids, now)
         return [[(m, texts[m]) for m in close.get(i, ()) if m in texts] for i in range(len(group))]
 
     def _near_duplicate(self, text: str, vector: np.ndarray, added: list[tuple[np.ndarray, str, str]],
@@ -329,14 +329,11 @@ class VectorMemory:
         with stage("db"), self.engine.connect() as connection:
             found = [HitRow(*r) for r in driver_rows(connection, _HIT_ROWS + f"({placeholders(connection, len(ids))})", ids)
                      if r[1] == principal.tenant_id]
-        rows = {}
-        for r in found:
-            expires_at = stored_time(r.expires_at)
-            if expires_at is None or expires_at > now:
-                rows[r.id] = r._replace(expires_at=expires_at)
+        rows = {r.id: r for r in found if (expires_at := stored_time(r.expires_at)) is None or expires_at > now}
         results = [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
                                 metadata=stored_json(r.meta), created_at=stored_time(r.created_at),
-                                updated_at=stored_time(r.updated_at), expires_at=r.expires_at, hash=r.hash, score=s)
+                                updated_at=stored_time(r.updated_at), expires_at=stored_time(r.expires_at),
+                                hash=r.hash, score=s)
                    for i, s in scored if (r := rows.get(i)) is not None]
         return results, len(rows) < len(found)
 
@@ -484,11 +481,11 @@ def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
-def _live_texts(session: Session | Connection, ids: set[str], now: datetime) -> dict[str, str]:
+def _live_texts(connection: Connection, ids: set[str], now: datetime) -> dict[str, str]:
     """{id: text} of the given memories (the ones that exist and have not expired)."""
     if not ids:
         return {}
-    return dict(session.execute(_LIVE_TEXTS, {"ids": sorted(ids), "now": now}).all())
+    return dict(connection.execute(_LIVE_TEXTS, {"ids": sorted(ids), "now": now}).all())
 
 
 def _groups(items, size: int):

@@ -202,3 +202,21 @@ def test_an_edge_index_that_cannot_tell_keeps_the_expiry_condition(runtime):
         index._shard = real
     index._earliest_expiry = None
     assert not index.may_hold_expired(datetime.now(timezone.utc).timestamp())  # empty, and it can tell again
+
+
+def test_contract_apply_writes_points_then_deletes_then_position(backend_runtime):
+    index = backend_runtime.index
+    vector = [1.0] + [0.0] * (index.dimension - 1)
+    payload = {"tenant": "tA", "user_id": "u", "agent_id": "", "run_id": "", "metadata": {}, "expires_at": 4e9}
+    ids = [f"7d9f1c8e-0000-4000-8000-00000000000{n}" for n in (1, 2)]
+    points = [IndexPoint(i, vector, SparseVector([11], [1.0]), payload) for i in ids]
+    before = index.info().points
+    query = IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "tA"),)), limit=5, dense=vector)
+
+    index.apply(points, [], 41)  # the common case: one write for the points and the position
+    assert index.applied_position() == 41
+    assert sorted(h.id for h in index.search(query)) == ids
+    assert index.info().points == before + 2  # the position's own record is not counted as a memory
+
+    index.apply(points[1:], [ids[0]], 42)
+    assert index.applied_position() == 42 and [h.id for h in index.search(query)] == [ids[1]]

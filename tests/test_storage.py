@@ -228,8 +228,8 @@ def test_index_crash_after_sql_commit_is_repaired_on_restart(settings, embedder,
         raise RuntimeError("index process died")
 
     # The SQL transaction commits, then the index fails before applying: the client hears 503.
-    monkeypatch.setattr(first.index, "upsert", crash)
-    monkeypatch.setattr(first.index, "delete", crash)
+    for write in ("apply", "upsert", "delete"):
+        monkeypatch.setattr(first.index, write, crash)
     with pytest.raises(Unavailable):
         first.memories.add(admin, AddRequest(text="Quinn adopted a kitten named Pixel", user_id="quinn"))
     with pytest.raises(Unavailable):

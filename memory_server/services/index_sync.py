@@ -3,16 +3,17 @@
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
-from sqlalchemy import bindparam, func
+from sqlalchemy import func
 from sqlalchemy.engine import Connection, Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
 from memory_server.errors import StartupError
 from memory_server.models import ChangeLogEntry, MemoryRecord, embedding_input
 from memory_server.services.filters import NEVER
-from memory_server.storage.db import driver_rows
+from memory_server.storage.db import driver_rows, placeholders, stored_json, stored_time
 from memory_server.storage.vectors import IndexPoint, VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
 
@@ -36,7 +37,23 @@ def scope_key(tenant_id: str, user_id: str | None, agent_id: str | None, run_id:
     return f"{tenant_id}/{user_id or ''}/{agent_id or ''}/{run_id or ''}"
 
 
-def point_for(row: MemoryRecord, sparse: SparseEncoder) -> IndexPoint:
+class PointRow(NamedTuple):
+    """The columns a point is built from, as the driver gives them (storage/db.py: stored_time, stored_json)."""
+    id: str
+    tenant_id: str
+    user_id: str | None
+    agent_id: str | None
+    run_id: str | None
+    text: str
+    meta: object
+    embedding: bytes
+    created_at: object
+    updated_at: object
+    expires_at: object
+
+
+def point_for(row: MemoryRecord | PointRow, sparse: SparseEncoder) -> IndexPoint:
+    expires_at = stored_time(row.expires_at)
     payload = {
         "tenant": row.tenant_id,
         "scope": scope_key(row.tenant_id, row.user_id, row.agent_id, row.run_id),
@@ -44,25 +61,22 @@ def point_for(row: MemoryRecord, sparse: SparseEncoder) -> IndexPoint:
         "user_id": row.user_id or "",
         "agent_id": row.agent_id or "",
         "run_id": row.run_id or "",
-        "created_at": row.created_at.timestamp(),
-        "updated_at": row.updated_at.timestamp(),
-        "expires_at": row.expires_at.timestamp() if row.expires_at else NEVER,
-        "metadata": payload_metadata(row.meta),
+        "created_at": stored_time(row.created_at).timestamp(),
+        "updated_at": stored_time(row.updated_at).timestamp(),
+        "expires_at": expires_at.timestamp() if expires_at else NEVER,
+        "metadata": payload_metadata(stored_json(row.meta)),
     }
     dense = np.frombuffer(row.embedding, dtype=np.float32).tolist()
     return IndexPoint(row.id, dense, sparse.document(row.text), payload)
 
 
-POINT_COLUMNS = (MemoryRecord.id, MemoryRecord.tenant_id, MemoryRecord.user_id, MemoryRecord.agent_id,
-                 MemoryRecord.run_id, MemoryRecord.text, col(MemoryRecord.meta).label("meta"), MemoryRecord.embedding,
-                 MemoryRecord.created_at, MemoryRecord.updated_at, MemoryRecord.expires_at)
-
-
+# Plain SQL on the driver's cursor (storage/db.py driver_rows): a follower runs these for every
+# change another process made, SQLAlchemy's execution path cost more than SQLite's answer.
 _HEAD = f"SELECT max(position) FROM {ChangeLogEntry.__tablename__}"
-_ENTRIES = (select(ChangeLogEntry.position, ChangeLogEntry.memory_id)
-            .where(ChangeLogEntry.position > bindparam("after")).order_by(ChangeLogEntry.position)
-            .limit(bindparam("limit")))
-_POINT_ROWS = select(*POINT_COLUMNS).where(col(MemoryRecord.id).in_(bindparam("ids", expanding=True)))
+_ENTRIES = f"SELECT position, memory_id FROM {ChangeLogEntry.__tablename__} WHERE position > {{0}} ORDER BY position LIMIT {{0}}"
+# The id list (placeholders) is added when it runs.
+_POINT_ROWS = ("SELECT id, tenant_id, user_id, agent_id, run_id, text, metadata, embedding, created_at, updated_at, "
+               f"expires_at FROM {MemoryRecord.__tablename__} WHERE id IN ")
 
 
 class IndexSync:
@@ -89,21 +103,25 @@ class IndexSync:
 
     def catch_up(self, prepared: dict[str, IndexPoint] | None = None) -> int:
         """Apply everything committed so far; returns how many entries were applied. `prepared`:
-        points a writer built from the rows it has just committed (see _apply)."""
+        points a writer built from the rows it has just committed (see _changes)."""
         applied = 0
         with self._lock:
             while True:
                 position = self.index.applied_position()
                 with self.engine.connect() as connection:
-                    entries = connection.execute(_ENTRIES, {"after": position, "limit": self.batch_size}).all()
+                    entries = driver_rows(connection, _ENTRIES.format(placeholders(connection, 1)), (position, self.batch_size))
                     if not entries:
                         return applied
-                    self._apply(connection, [memory_id for _, memory_id in entries], prepared or {})
-                self.index.set_applied_position(entries[-1][0])
+                    points, deleted = self._changes(connection, [memory_id for _, memory_id in entries], prepared or {})
+                self.index.apply(points, deleted, entries[-1][0])
                 applied += len(entries)
                 self.applied_since_optimize += len(entries)
+                if len(entries) < self.batch_size:
+                    return applied  # the query saw every entry committed before it ran
 
-    def _apply(self, connection: Connection, memory_ids: list[str], prepared: dict[str, IndexPoint]) -> None:
+    def _changes(self, connection: Connection, memory_ids: list[str],
+                 prepared: dict[str, IndexPoint]) -> tuple[list[IndexPoint], list[str]]:
+        """The points to write and the ids to delete for a run of entries."""
         # Entries only name what changed; the row as it is now is the truth. A row that is gone
         # is deleted from the index, so replay can never resurrect a deleted memory.
         counts = Counter(memory_ids)
@@ -112,12 +130,13 @@ class IndexSync:
         # apply skips reading them back: a new memory's one entry is that add's own, so its row is
         # as the add wrote it. Any later change has an entry of its own, applied after this one.
         ready = {i: prepared[i] for i in wanted if counts[i] == 1 and i in prepared}
-        # Plain rows of the columns a point needs: building ORM objects cost more than the index upsert.
         read = [i for i in wanted if i not in ready]
-        rows = {r.id: r for r in connection.execute(_POINT_ROWS, {"ids": read})} if read else {}
-        self.index.upsert([ready[i] if i in ready else point_for(rows[i], self.sparse)
-                           for i in wanted if i in ready or i in rows])
-        self.index.delete([i for i in read if i not in rows])
+        rows = {}
+        if read:
+            sql = _POINT_ROWS + f"({placeholders(connection, len(read))})"
+            rows = {r[0]: PointRow(*r) for r in driver_rows(connection, sql, read)}
+        points = [ready[i] if i in ready else point_for(rows[i], self.sparse) for i in wanted if i in ready or i in rows]
+        return points, [i for i in read if i not in rows]
 
     def rebuild(self, progress: Callable[[int, int], None] | None = None, *, reembed=None) -> int:
         """Rebuild the index from SQL alone. Stored embeddings are used as they are, unless `reembed`

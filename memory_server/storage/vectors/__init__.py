@@ -72,6 +72,10 @@ class VectorIndex(Protocol):
 
     def set_applied_position(self, position: int) -> None: ...
 
+    def apply(self, points: list[IndexPoint], deleted: list[str], position: int) -> None:
+        """Upsert `points`, delete `deleted`, then record `position`, as one write where the backend
+        can (the change log's follower calls this for each run of entries)."""
+
     def reset(self) -> None:
         """Drop every point (reindex starts from here); position goes back to 0."""
 

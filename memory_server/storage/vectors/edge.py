@@ -175,9 +175,12 @@ class EdgeIndex:
         return shard
 
     def _write_meta(self, shard: qe.EdgeShard, position: int) -> None:
+        shard.update(qe.UpdateOperation.upsert_points([self._meta_point(position)]))
+
+    def _meta_point(self, position: int) -> qe.Point:
         payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
                    "layout": PAYLOAD_LAYOUT}
-        shard.update(qe.UpdateOperation.upsert_points([qe.Point(META_ID, {}, payload)]))
+        return qe.Point(META_ID, {}, payload)
 
     def close(self) -> None:
         with self._lock:
@@ -196,17 +199,23 @@ class EdgeIndex:
 
     # -- writes ----------------------------------------------------------------------------
     def upsert(self, points: list[IndexPoint]) -> None:
-        if not points:
-            return
+        if points:
+            self._upsert(points)
+
+    def _upsert(self, points: list[IndexPoint], *, position: int | None = None) -> None:
+        """`points`, and the meta point recording `position` after them in the same update (one
+        WAL entry: the position never lands without the points it covers)."""
         edge_points = [
             qe.Point(p.id, {"dense": p.dense, "bm25": qe.SparseVector(p.sparse.indices, p.sparse.values)}, p.payload)
             for p in points
         ]
+        if position is not None:
+            edge_points.append(self._meta_point(position))
         # The earliest expiry is lowered before the points become searchable, and under the lock a
         # lookup takes, so that it never overwrites the lower value with an older answer. (A search
         # that read the value just before may still meet such a point: VectorMemory.search checks.)
         with self._expiry_lock:
-            if self._earliest_expiry is not None:
+            if self._earliest_expiry is not None and points:
                 self._earliest_expiry = min(self._earliest_expiry, *(p.payload["expires_at"] for p in points))
             self._shard.update(qe.UpdateOperation.upsert_points(edge_points))
 
@@ -221,6 +230,17 @@ class EdgeIndex:
         # The meta point goes through the same WAL after the data it covers, so a crash
         # never leaves a position ahead of the points it claims.
         self._write_meta(self._shard, position)
+        self._position = position
+
+    def apply(self, points: list[IndexPoint], deleted: list[str], position: int) -> None:
+        # One update for the common run of entries (new or changed memories): ~0.1 ms less an add
+        # than the points and the position written apart (bench/analysis.md, round 22).
+        if deleted:
+            self.upsert(points)
+            self.delete(deleted)
+            self.set_applied_position(position)
+            return
+        self._upsert(points, position=position)
         self._position = position
 
     def optimize(self) -> None:

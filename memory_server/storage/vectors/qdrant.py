@@ -49,20 +49,8 @@ class QdrantServerIndex:
         self._open()
 
     def upsert(self, points: list[IndexPoint]) -> None:
-        if not points:
-            return
-        self.client.upsert(
-            self.collection,
-            [
-                models.PointStruct(
-                    id=p.id,
-                    vector={"dense": p.dense, "bm25": models.SparseVector(indices=p.sparse.indices, values=p.sparse.values)},
-                    payload=p.payload,
-                )
-                for p in points
-            ],
-            wait=True,
-        )
+        if points:
+            self.client.upsert(self.collection, [_point(p) for p in points], wait=True)
 
     def delete(self, ids: list[str]) -> None:
         if ids:
@@ -72,10 +60,24 @@ class QdrantServerIndex:
         return self._position
 
     def set_applied_position(self, position: int) -> None:
+        self.client.upsert(self.collection, [self._meta_point(position)], wait=True)
+        self._position = position
+
+    def apply(self, points: list[IndexPoint], deleted: list[str], position: int) -> None:
+        # One round trip for the common run of entries; the meta point rides after the points in
+        # the same request (applied in order), so the position never lands without them.
+        if deleted:
+            self.upsert(points)
+            self.delete(deleted)
+            self.set_applied_position(position)
+            return
+        self.client.upsert(self.collection, [*(_point(p) for p in points), self._meta_point(position)], wait=True)
+        self._position = position
+
+    def _meta_point(self, position: int) -> models.PointStruct:
         payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
                    "layout": PAYLOAD_LAYOUT}
-        self.client.upsert(self.collection, [models.PointStruct(id=META_ID, vector={}, payload=payload)], wait=True)
-        self._position = position
+        return models.PointStruct(id=META_ID, vector={}, payload=payload)
 
     def optimize(self) -> None:
         """A Qdrant server runs its optimizers on its own."""
@@ -142,3 +144,11 @@ def _field(leaf: Field):
     if op == "substring":
         return models.FieldCondition(key=key, match=models.MatchSubstring(substring=value))
     return models.FieldCondition(key=key, range=models.Range(**{op: value}))
+
+
+def _point(p: IndexPoint) -> models.PointStruct:
+    return models.PointStruct(
+        id=p.id,
+        vector={"dense": p.dense, "bm25": models.SparseVector(indices=p.sparse.indices, values=p.sparse.values)},
+        payload=p.payload,
+    )

@@ -64,14 +64,13 @@ class QdrantServerIndex:
         self._position = position
 
     def apply(self, points: list[IndexPoint], deleted: list[str], position: int) -> None:
-        # One round trip for the common run of entries; the meta point rides after the points in
-        # the same request (applied in order), so the position never lands without them.
+        # One request, its operations applied in order: the position never lands without the
+        # points and deletes it covers.
+        operations = [models.UpsertOperation(upsert=models.PointsList(points=[_point(p) for p in points]))] if points else []
         if deleted:
-            self.upsert(points)
-            self.delete(deleted)
-            self.set_applied_position(position)
-            return
-        self.client.upsert(self.collection, [*(_point(p) for p in points), self._meta_point(position)], wait=True)
+            operations.append(models.DeleteOperation(delete=models.PointIdsList(points=list(deleted))))
+        operations.append(models.UpsertOperation(upsert=models.PointsList(points=[self._meta_point(position)])))
+        self.client.batch_update_points(self.collection, operations, wait=True)
         self._position = position
 
     def _meta_point(self, position: int) -> models.PointStruct:

@@ -170,12 +170,9 @@ class EdgeIndex:
             shard.update(qe.UpdateOperation.create_field_index(name, qe.FloatIndexParams(memory=cached)))
         self._position = 0
         self.outdated = False
-        self._write_meta(shard, 0)
+        shard.update(qe.UpdateOperation.upsert_points([self._meta_point(0)]))
         shard.flush()
         return shard
-
-    def _write_meta(self, shard: qe.EdgeShard, position: int) -> None:
-        shard.update(qe.UpdateOperation.upsert_points([self._meta_point(position)]))
 
     def _meta_point(self, position: int) -> qe.Point:
         payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
@@ -229,8 +226,7 @@ class EdgeIndex:
     def set_applied_position(self, position: int) -> None:
         # The meta point goes through the same WAL after the data it covers, so a crash
         # never leaves a position ahead of the points it claims.
-        self._write_meta(self._shard, position)
-        self._position = position
+        self.apply([], [], position)
 
     def apply(self, points: list[IndexPoint], deleted: list[str], position: int) -> None:
         # One update for the common run of entries (new or changed memories): ~0.1 ms less an add

@@ -60,8 +60,7 @@ class QdrantServerIndex:
         return self._position
 
     def set_applied_position(self, position: int) -> None:
-        self.client.upsert(self.collection, [self._meta_point(position)], wait=True)
-        self._position = position
+        self.apply([], [], position)
 
     def apply(self, points: list[IndexPoint], deleted: list[str], position: int) -> None:
         # One request, its operations applied in order: the position never lands without the

@@ -6,6 +6,7 @@ The load generator shares the 2 cores with the server, so it has to be cheap: ai
 
 import argparse
 import asyncio
+import os
 import random
 import time
 
@@ -109,7 +110,9 @@ def run_level(server, clients: int, duration: float, search_share: float = 0.8, 
     lat, errors, timings = asyncio.run(_load(server, clients, duration, search_share, seed))
     wall = time.perf_counter() - t0
     done = len(lat["search"]) + len(lat["add"])
-    return {
+    server_cpu = {kind: seconds - server_cpu[kind] for kind, seconds in cpu_seconds(server.pid).items()}
+    client_cpu = time.process_time() - client_cpu
+    level = {
         "clients": clients, "seconds": wall, "requests": done, "throughput_rps": done / wall,
         "errors": sum(errors.values()), "error_kinds": errors,
         "all": percentiles(lat["search"] + lat["add"]),
@@ -117,9 +120,28 @@ def run_level(server, clients: int, duration: float, search_share: float = 0.8, 
         # Where the time went, by the server's Server-Timing header: on average, and in the slowest 1%.
         "stages": {op: where_time_went(samples) for op, samples in timings.items() if samples},
         # Share of one core each side used; both near 1.0+ on a 2-core box means the box is saturated.
-        "server_cpu_per_s": (cpu_seconds(server.pid) - server_cpu) / wall,
-        "client_cpu_per_s": (time.process_time() - client_cpu) / wall,
+        "server_cpu_per_s": server_cpu["total"] / wall,
+        "client_cpu_per_s": client_cpu / wall,
     }
+    if done:
+        level["server_cpu_ms_per_request"] = {kind: 1000 * seconds / done for kind, seconds in server_cpu.items()}
+        level["client_cpu_ms_per_request"] = 1000 * client_cpu / done
+        level["ceilings"] = ceilings(level["server_cpu_ms_per_request"], level["client_cpu_ms_per_request"],
+                                     os.cpu_count() or 1, clients)
+    return level
+
+
+def ceilings(server_ms: dict[str, float], client_ms: float, cores: int, clients: int) -> dict:
+    """What the box allows at this CPU a request, the load generator's included (it shares the
+    cores): the throughput with every core busy, the throughput if only the model's CPU (and the
+    load generator's) were left, and the mean latency a closed loop of `clients` would have then.
+    In a closed loop the mean latency is clients / throughput and the p99 is above the mean, so
+    when `min_mean_latency_model_only_ms` is over a latency target, no change outside the model can
+    meet that target on this box."""
+    busy = cores * 1000 / (server_ms["total"] + client_ms)
+    model_only = cores * 1000 / (server_ms["model"] + client_ms)
+    return {"rps_all_cores_busy": busy, "rps_model_only": model_only,
+            "min_mean_latency_model_only_ms": 1000 * clients / model_only}
 
 
 def main(argv=None):

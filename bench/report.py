@@ -179,7 +179,7 @@ def part3(http):
                       "CPU server / client", "server CPU ms / request"], rows)
             + "\n\n" + "\n".join(f"- {n}" for n in http.get("notes", []))
             + "\n\n![http latency](benchmarks/part3-http-latency.png)\n"
-            + _where_time_went(http["levels"]))
+            + _where_time_went(http["levels"]) + _ceilings(http["levels"]))
 
 
 STAGES = ("queue", "embed", "index", "db", "respond", "unnamed", "outside")
@@ -200,6 +200,26 @@ def _where_time_went(levels) -> str:
             "the service's own Python), `outside` what the client waited beyond the server's time (event "
             "loop queue, HTTP parsing, the kernel, the load generator).\n\n"
             + _table(["workers", "clients", "kind", "requests", "latency", *STAGES], rows) + "\n")
+
+
+def _ceilings(levels) -> str:
+    """Part 3's server CPU a request by kind of thread, and what it allows (bench/http_load.py: ceilings)."""
+    rows = [[lv.get("workers", 1), lv["clients"], *(_f(lv["server_cpu_ms_per_request"][kind], 2)
+                                                     for kind in ("model", "request", "main", "other", "total")),
+             _f(lv["client_cpu_ms_per_request"], 2), _f(lv["ceilings"]["rps_all_cores_busy"]),
+             _f(lv["ceilings"]["rps_model_only"]), _f(lv["ceilings"]["min_mean_latency_model_only_ms"])]
+            for lv in levels if "ceilings" in lv]
+    if not rows:
+        return ""
+    return ("\nCPU a request (ms), by the server's threads: `model` the model calls (tokenizing included), "
+            "`request` the request threads, `main` each worker's event loop (and the supervisor's accepting), "
+            "`other` the rest; `client` the load generator on the same cores. From them: the throughput "
+            "with every core busy at this CPU a request, the throughput if nothing but the model (and the "
+            "load generator) took CPU, and the mean latency a closed loop of that many clients would then "
+            "have: the p99 is above the mean, so where that mean is over the 100 ms target, nothing outside "
+            "the model can meet the target on this machine.\n\n"
+            + _table(["workers", "clients", "model", "request", "main", "other", "server total", "client",
+                      "req/s, all cores busy", "req/s, model only", "mean ms, model only"], rows) + "\n")
 
 
 def part4(locomo):

@@ -42,18 +42,37 @@ def _cli() -> list[str]:
     return [sys.executable, "-c", "from memory_server.cli import main; main()"]
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process and its live children (Linux /proc; the workers of
-    `serve --workers N`), to tell whether the client or the server is saturated."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if stat.parent.name == str(pid) or fields[1] == str(pid):  # fields[1]: the parent's pid
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (utime + stime) of a process and its live children (Linux /proc; the workers of
+    `serve --workers N`), by kind of thread, to tell whether the client or the server is saturated
+    and how much of the server's CPU the model takes: `model` (threads named `embedding*`, which
+    run the model calls), `request` (`request_*`), `main` (each process's main thread: a worker's
+    event loop, the supervisor's accepting), `other`, and `total`. Threads carry their names in the
+    operating system (memory_server.timing.name_os_thread)."""
+    kinds = dict.fromkeys(("model", "request", "main", "other", "total"), 0.0)
+    processes = [stat.parent for stat in Path("/proc").glob("[0-9]*/stat") if _is_in_tree(stat, pid)]
+    for process in processes:
+        for task in process.glob("task/*"):
+            try:
+                comm = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            kind = ("main" if task.name == process.name else "model" if comm.startswith("embedding")
+                    else "request" if comm.startswith("request_") else "other")
+            kinds[kind] += seconds
+            kinds["total"] += seconds
+    return kinds
+
+
+def _is_in_tree(stat: Path, pid: int) -> bool:
+    """Whether /proc/N/stat is process `pid` or one of its children."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return stat.parent.name == str(pid) or fields[1] == str(pid)  # fields[1]: the parent's pid
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from memory_server.embedding import Embedder
 from memory_server.errors import MemoryServerError
 from memory_server.metrics import Metrics
 from memory_server.runtime import Runtime, ensure_bootstrap_key
-from memory_server.timing import timed_request
+from memory_server.timing import name_os_thread, timed_request
 
 log = logging.getLogger("memory_server")
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         # Requests run their blocking work in the event loop's default executor (timing.in_thread);
         # its size bounds how many share the GIL at once.
         asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(settings.request_threads, thread_name_prefix="request"))
+            ThreadPoolExecutor(settings.request_threads, thread_name_prefix="request", initializer=name_os_thread))
         runtime = Runtime.open(settings, embedder=embedder, background=True)
         key_file = ensure_bootstrap_key(runtime.engine, settings.data_dir)
         if key_file is not None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from memory_server.errors import StartupError
+from memory_server.timing import name_os_thread
 
 log = logging.getLogger("memory_server")
 
@@ -98,7 +99,7 @@ class Embedder:
             self._encoder = _TorchEncoder(_load_sentence_transformer(path, device))
             self.workers = 1  # torch spreads one call over all cores itself
         self.dimension = self._encoder.dimension
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="embedding") if self.workers > 1 else None
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="embedding", initializer=name_os_thread) if self.workers > 1 else None
         self._coming = Coming()
         self._batcher = _MicroBatcher(self._encoder.encode_parts, self.dimension, max_texts=batch_size,
                                       workers=self.workers, wait=wait_ms / 1000, coming=self._coming)
@@ -278,6 +279,7 @@ class _MicroBatcher:
         self._queue.put(_NUDGE)
 
     def _work(self) -> None:
+        name_os_thread()
         while True:
             with self._gathering:
                 batch = self._gather()

@@ -20,6 +20,7 @@ from memory_server.services.vector_memory import VectorMemory
 from memory_server.storage.db import create_schema, make_engine, ping, warm_sqlite_file
 from memory_server.storage.vectors import VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
+from memory_server.timing import name_os_thread
 
 log = logging.getLogger("memory_server")
 BOOTSTRAP_KEY_FILE = "bootstrap-admin.key"
@@ -122,6 +123,7 @@ class Runtime:
 
     def _maintain(self) -> None:
         """Follow the change log (other replicas' writes), purge expired memories, optimize the index."""
+        name_os_thread()
         since_sweep = 0.0
         interval = self.settings.sync_interval_seconds
         while not self._stop.wait(interval):

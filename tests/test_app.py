@@ -1,6 +1,7 @@
 """How the app serves its routes."""
 
 import inspect
+from pathlib import Path
 
 import httpx
 
@@ -43,6 +44,16 @@ def test_responses_say_where_their_time_went_in_a_server_timing_header(server):
         # Stages run one after another inside the request, so together they fit in its whole time.
         assert sum(v for name, v in stages.items() if name != "app") <= stages["app"] + 0.05
     assert refused.status_code == 422 and set(_stages(refused)) >= {"app"}
+
+
+def test_the_model_and_request_threads_carry_their_names_in_the_operating_system(server):
+    # `top -H`, /proc and the HTTP benchmark's CPU split tell the model's threads from the request
+    # threads by these names (Python 3.11 leaves every thread named after the process).
+    with server.client() as c:
+        assert c.post("/v1/memories/search", json={"query": "who keeps bees?", "user_id": "alice"}).status_code == 200
+    names = {(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
+    assert "embedding-batch" in names  # embedding-batcher-N, cut to the 15 characters Linux keeps
+    assert "request_0" in names and "memory-server-m" in names
 
 
 def _stage_counts(metrics_text: str, route: str) -> dict[str, float]:

@@ -6,13 +6,17 @@ answers worked out by hand.
 """
 
 import json
+import os
+import threading
+import time
 
 import pytest
 import sqlalchemy
 
-from bench import http_load, locomo, report, workload
+from bench import http_load, locomo, report, server, workload
 from bench.workload import iter_memories, memories, percentiles, queries, user_id
 from conftest import make_settings, start_server
+from memory_server.timing import name_os_thread
 
 
 def test_percentiles_are_nearest_rank_in_milliseconds():
@@ -42,6 +46,41 @@ def test_the_http_part_reads_server_timing_and_says_where_the_slowest_requests_s
     assert rows == ["| 2 | 64 | search | all | 11.0 | 1.8 | 3.0 | – | – | – | 2.0 | 4.2 |",
                     "| 2 | 64 | search | slowest 1% | 110.0 | 80.0 | 3.0 | – | – | – | 3.0 | 24.0 |"]
     assert report._where_time_went([{"clients": 16}]) == ""
+
+
+def test_the_http_part_splits_the_servers_cpu_by_thread_and_says_what_the_model_alone_allows():
+    # Threads named as the server names them burn CPU, then wait (a thread's CPU is read while it lives).
+    burnt, done = threading.Barrier(3), threading.Event()
+
+    def burn(name, seconds):
+        name_os_thread(name)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+        burnt.wait()
+        done.wait()
+    before = server.cpu_seconds(os.getpid())
+    threads = [threading.Thread(target=burn, args=args) for args in (("embedding-batcher-0", 0.3), ("request_3", 0.15))]
+    for thread in threads:
+        thread.start()
+    burnt.wait()
+    after = server.cpu_seconds(os.getpid())
+    done.set()
+    for thread in threads:
+        thread.join()
+    used = {kind: seconds - before[kind] for kind, seconds in after.items()}
+    assert used["model"] == pytest.approx(0.3, abs=0.05) and used["request"] == pytest.approx(0.15, abs=0.05)
+    assert used["total"] == pytest.approx(sum(used[kind] for kind in ("model", "request", "main", "other")))
+
+    # 2 cores; a request costs the server 6 ms (3 of them the model) and the load generator 0.5 ms.
+    found = http_load.ceilings({"model": 3.0, "request": 2.0, "main": 0.8, "other": 0.2, "total": 6.0}, 0.5, 2, 64)
+    assert found == pytest.approx({"rps_all_cores_busy": 2000 / 6.5, "rps_model_only": 2000 / 3.5,
+                                   "min_mean_latency_model_only_ms": 64 * 3.5 / 2})  # 112 ms: over 100 at best
+    level = {"workers": 2, "clients": 64, "ceilings": found, "client_cpu_ms_per_request": 0.5,
+             "server_cpu_ms_per_request": {"model": 3.0, "request": 2.0, "main": 0.8, "other": 0.2, "total": 6.0}}
+    rows = [line for line in report._ceilings([level, {"clients": 16}]).splitlines() if line.startswith("| 2 |")]
+    assert rows == ["| 2 | 64 | 3.00 | 2.00 | 0.80 | 0.20 | 6.00 | 0.50 | 307.7 | 571.4 | 112.0 |"]
+    assert report._ceilings([{"clients": 16}]) == ""
 
 
 def test_the_workload_is_seeded_and_spreads_memories_over_all_users():

@@ -299,9 +299,10 @@ class EdgeIndex:
             sparse = qe.SparseVector(query.sparse.indices, query.sparse.values)
             prefetches.append(qe.Prefetch(limit=query.candidates, query=qe.Query.Nearest(sparse, using="bm25"), filter=flt))
             weights.append(query.weights[1])
-        return qe.QueryRequest(
-            limit=query.limit, prefetches=prefetches, query=qe.Fusion.Rrf(k=query.rrf_k, weights=weights), filter=flt
-        )
+        # No filter on the fusion itself: it only ranks what the filtered prefetches found, and a
+        # filter there checked every candidate's payload again (~0.1 ms of a hybrid search at 10k
+        # memories, the same answers: bench/analysis.md, round 23).
+        return qe.QueryRequest(limit=query.limit, prefetches=prefetches, query=qe.Fusion.Rrf(k=query.rrf_k, weights=weights))
 
     def info(self) -> IndexInfo:
         info = self._shard.info()

@@ -117,8 +117,9 @@ def _request(query: IndexQuery) -> models.QueryRequest | None:
     if sparse is not None:
         prefetch.append(models.Prefetch(query=sparse, using="bm25", filter=flt, limit=query.candidates))
         weights.append(query.weights[1])
+    # No filter on the fusion: the prefetches are filtered already (as in edge.py).
     return models.QueryRequest(prefetch=prefetch, query=models.RrfQuery(rrf=models.Rrf(k=query.rrf_k, weights=weights)),
-                               filter=flt, limit=query.limit)
+                               limit=query.limit)
 
 
 def _translate(node: Condition):

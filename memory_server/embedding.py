@@ -99,7 +99,8 @@ class Embedder:
             self._encoder = _TorchEncoder(_load_sentence_transformer(path, device))
             self.workers = 1  # torch spreads one call over all cores itself
         self.dimension = self._encoder.dimension
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="embedding", initializer=name_os_thread) if self.workers > 1 else None
+        self._pool = (ThreadPoolExecutor(self.workers, thread_name_prefix="embedding", initializer=name_os_thread)
+                      if self.workers > 1 else None)
         self._coming = Coming()
         self._batcher = _MicroBatcher(self._encoder.encode_parts, self.dimension, max_texts=batch_size,
                                       workers=self.workers, wait=wait_ms / 1000, coming=self._coming)

@@ -220,3 +220,53 @@ def test_contract_apply_writes_points_then_deletes_then_position(backend_runtime
 
     index.apply(points[1:], [ids[0]], 42)
     assert index.applied_position() == 42 and [h.id for h in index.search(query)] == [ids[1]]
+
+
+def _open_index(backend: str, path, embedder):
+    from qdrant_client import QdrantClient
+
+    from memory_server.storage.vectors.edge import EdgeIndex
+
+    if backend == "edge":
+        return EdgeIndex(path, embedder.dimension, embedder.name)
+    return QdrantServerIndex(QdrantClient(":memory:"), "memories", embedder.dimension, embedder.name)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_two_indexes_of_the_same_memories_rank_equal_bm25_scores_alike(backend, tmp_path, embedder):
+    """Texts of one length that share words tie on BM25 score, and Qdrant ranks equal scores in no
+    fixed order, so two indexes of the same memories (two replicas, an index before and after a
+    rebuild) fused them into different hybrid answers (bench/analysis.md, round 24). A memory's BM25
+    weights carry a factor fixed by its id (sparse.tie_break): ties rank alike in every index."""
+    import uuid
+
+    from memory_server.storage.vectors.sparse import SparseEncoder, tie_break
+
+    sparse = SparseEncoder()
+    texts = [f"{name} likes {pastime}" for name in ("Ann", "Bob", "Cid", "Dee", "Eli", "Fay")
+             for pastime in ("tea", "chess", "jazz", "golf", "opera")]
+    ids, factors = [], set()
+    for n in range(1, 1000):  # ids whose factors differ (1,024 of them: a large tie may hold two alike)
+        candidate = str(uuid.UUID(int=n))
+        if tie_break(candidate) not in factors and len(ids) < len(texts):
+            ids.append(candidate)
+            factors.add(tie_break(candidate))
+    vectors = embedder.embed(texts)
+    points = [IndexPoint(i, v.tolist(), sparse.document(t, i), {"tenant": "t", "user_id": "u", "agent_id": "",
+                                                                "run_id": "", "metadata": {}})
+              for i, t, v in zip(ids, texts, vectors)]
+    first, second = _open_index(backend, tmp_path / "a", embedder), _open_index(backend, tmp_path / "b", embedder)
+    try:
+        first.upsert(points)
+        for start in range(len(points), 0, -7):  # the other order, in small runs
+            second.upsert(points[max(0, start - 7):start][::-1])
+        scope = All((Field("tenant", "eq", "t"), Field("user_id", "eq", "u")))
+        for query in ["who likes tea", "likes", "does Dee like it", "Bob and chess"]:
+            for mode in ("keyword", "hybrid"):
+                request = IndexQuery(mode=mode, filter=scope, limit=20, sparse=sparse.query(query), rrf_k=2,
+                                     weights=(0.5, 1.0), dense=embedder.embed_query(query).tolist(), candidates=30)
+                answer = [(h.id, h.score) for h in first.search(request)]
+                assert answer and answer == [(h.id, h.score) for h in second.search(request)], (mode, query)
+    finally:
+        first.close()
+        second.close()

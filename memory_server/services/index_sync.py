@@ -67,7 +67,7 @@ def point_for(row: MemoryRecord | PointRow, sparse: SparseEncoder) -> IndexPoint
         "metadata": payload_metadata(stored_json(row.meta)),
     }
     dense = np.frombuffer(row.embedding, dtype=np.float32).tolist()
-    return IndexPoint(row.id, dense, sparse.document(row.text), payload)
+    return IndexPoint(row.id, dense, sparse.document(row.text, row.id), payload)
 
 
 # Plain SQL on the driver's cursor (storage/db.py driver_rows): a follower runs these for every

@@ -316,9 +316,9 @@ class VectorMemory:
         used = query.weights if query.sparse and query.sparse.indices else query.weights[:1]
         scored = [(hit.id, normalize_score(request.mode, hit.score, query.rrf_k, used)) for hit in hits]
         # Equal scores (common in RRF) are ordered by id, so that the same hits come back in the
-        # same order everywhere. (Which hits tie is Qdrant's: it ranks equal BM25 scores within a
-        # hybrid search's candidate lists in no fixed order, so two indexes of the same memories
-        # can fuse them differently: docs/vector-memory.md, bench/analysis.md round 23.)
+        # same order everywhere. Equal BM25 scores inside a hybrid search's candidate lists, which
+        # Qdrant ranks in no fixed order, are made rare by sparse.tie_break (bench/analysis.md,
+        # round 24).
         scored = sorted(scored, key=lambda pair: (-pair[1], pair[0]))[:request.top_k]
         if request.threshold is not None:
             scored = [(i, s) for i, s in scored if s >= request.threshold]

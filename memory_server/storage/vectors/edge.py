@@ -25,8 +25,9 @@ from memory_server.storage.vectors.filters import All, Any_, Condition, Field, N
 META_ID = "00000000-0000-0000-0000-000000000000"
 KEYWORD_FIELDS = ("user_id", "agent_id", "run_id", "scope")
 # What the points' payload holds; an index made with an older layout is rebuilt from SQL (see
-# Runtime.open). 2: the "scope" keyword (services/index_sync.scope_key).
-PAYLOAD_LAYOUT = 2
+# Runtime.open). 2: the "scope" keyword (services/index_sync.scope_key). 3: BM25 weights scaled by
+# sparse.tie_break.
+PAYLOAD_LAYOUT = 3
 FLOAT_FIELDS = ("created_at", "updated_at", "expires_at")
 
 

@@ -1,6 +1,7 @@
 """BM25 sparse vectors from Qdrant's own tokenizer, shared by both index backends."""
 
 import re
+import zlib
 
 import qdrant_edge
 
@@ -26,10 +27,24 @@ class SparseEncoder:
     def __init__(self) -> None:
         self._bm25 = qdrant_edge.Bm25(qdrant_edge.Bm25Config(tokenizer=qdrant_edge.TokenizerType.Multilingual))
 
-    def document(self, text: str) -> SparseVector:
+    def document(self, text: str, memory_id: str) -> SparseVector:
         vector = self._bm25.embed_document(prepare(text))
-        return SparseVector(list(vector.indices), list(vector.values))
+        factor = tie_break(memory_id)
+        return SparseVector(list(vector.indices), [value * factor for value in vector.values])
 
     def query(self, text: str) -> SparseVector:
         vector = self._bm25.embed_query(prepare(text))
         return SparseVector(list(vector.indices), list(vector.values))
+
+
+TIE_LEVELS = 1024
+TIE_STEP = 2.0 ** -18  # float32 keeps 23 bits: a step stays visible through a sum of a few terms
+
+
+def tie_break(memory_id: str) -> float:
+    """A factor just above 1 (at most 1 + 2^-8), fixed by the memory's id, for its BM25 weights.
+    Equal BM25 scores are common in short texts, and Qdrant ranks them in no fixed order, which
+    differs between two indexes of the same memories (two replicas, an index before and after a
+    rebuild): a hybrid search then fused them into different answers (bench/analysis.md, round 24).
+    Scaled like this, memories that would tie rank by their ids' factors, alike everywhere."""
+    return 1.0 + (zlib.crc32(memory_id.encode()) % TIE_LEVELS + 1) * TIE_STEP

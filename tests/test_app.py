@@ -4,6 +4,7 @@ import inspect
 from pathlib import Path
 
 import httpx
+import pytest
 
 from memory_server.app import ROUTERS
 
@@ -121,12 +122,22 @@ def test_stages_cost_nothing_and_record_nothing_outside_a_timed_request():
 
 
 def _comparable(value):
-    """A response's JSON without what differs between two stores: ids and times."""
+    """A response's JSON without what differs between two stores: ids, times and scores (a keyword
+    score carries its memory id's tie-break: storage/vectors/sparse.py; _scores compares them)."""
     if isinstance(value, dict):
-        return {k: _comparable(v) for k, v in value.items() if k not in ("id", "created_at", "updated_at")}
+        return {k: _comparable(v) for k, v in value.items() if k not in ("id", "created_at", "updated_at", "score")}
     if isinstance(value, list):
         return [_comparable(v) for v in value]
     return value
+
+
+def _scores(value) -> list[float]:
+    """Every score in a response's JSON, in order."""
+    if isinstance(value, dict):
+        return [value["score"]] if "score" in value else [s for v in value.values() for s in _scores(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _scores(v)]
+    return []
 
 
 # (method, path, body as JSON or raw bytes, content type): good requests and bad ones for each direct route.
@@ -155,7 +166,7 @@ SAME_BOTH_WAYS = [
 def test_direct_routes_answer_exactly_as_fastapi_does(tmp_path, embedder):
     from conftest import make_settings, start_server
 
-    answers = {}
+    answers, scores = {}, {}
     for direct in (True, False):
         live, stop = start_server(make_settings(tmp_path / str(direct), direct_routes=direct), embedder)
         try:
@@ -169,6 +180,7 @@ def test_direct_routes_answer_exactly_as_fastapi_does(tmp_path, embedder):
                         response = c.request(method, path, json=body)
                     responses.append((response.status_code, response.headers["content-type"],
                                       _comparable(response.json())))
+                    scores[direct] = scores.get(direct, []) + _scores(response.json())
                 metrics = c.get("/metrics").text
         finally:
             stop()
@@ -176,6 +188,7 @@ def test_direct_routes_answer_exactly_as_fastapi_does(tmp_path, embedder):
         # Requests answered directly are counted under their route, like FastAPI's.
         assert 'memory_server_http_requests_total{method="POST",route="/v1/memories/search",status="200"} 3.0' in metrics
     assert answers[True] == answers[False]
+    assert len(scores[True]) >= 2 and scores[True] == pytest.approx(scores[False], abs=0.005)
     statuses = [status for status, _, _ in answers[True]]
     assert statuses == [200, 200, 200, 200, 200, 422, 422, 422, 422, 422, 400, 422, 422, 422, 422, 200, 404]
     assert answers[True][2][2]["results"][0]["memory"] == "Alice keeps bees on her roof"

@@ -248,9 +248,11 @@ def test_two_indexes_of_the_same_memories_rank_equal_bm25_scores_alike(backend, 
     ids, factors = [], set()
     for n in range(1, 1000):  # ids whose factors differ (1,024 of them: a large tie may hold two alike)
         candidate = str(uuid.UUID(int=n))
-        if tie_break(candidate) not in factors and len(ids) < len(texts):
+        if tie_break(candidate) not in factors:
             ids.append(candidate)
             factors.add(tie_break(candidate))
+        if len(ids) == len(texts):
+            break
     vectors = embedder.embed(texts)
     points = [IndexPoint(i, v.tolist(), sparse.document(t, i), {"tenant": "t", "user_id": "u", "agent_id": "",
                                                                 "run_id": "", "metadata": {}})

@@ -23,6 +23,19 @@ def prepare(text: str) -> str:
     return f"{text} {' '.join(pairs)}" if pairs else text
 
 
+TIE_LEVELS = 1024
+TIE_STEP = 2.0 ** -18  # float32 keeps 23 bits: a step stays visible through a sum of a few terms
+
+
+def tie_break(memory_id: str) -> float:
+    """A factor just above 1 (at most 1 + 2^-8), fixed by the memory's id, for its BM25 weights.
+    Equal BM25 scores are common in short texts, and Qdrant ranks them in no fixed order, which
+    differs between two indexes of the same memories (two replicas, an index before and after a
+    rebuild): a hybrid search then fused them into different answers (bench/analysis.md, round 24).
+    Scaled like this, memories that would tie rank by their ids' factors, alike everywhere."""
+    return 1.0 + (zlib.crc32(memory_id.encode()) % TIE_LEVELS + 1) * TIE_STEP
+
+
 class SparseEncoder:
     def __init__(self) -> None:
         self._bm25 = qdrant_edge.Bm25(qdrant_edge.Bm25Config(tokenizer=qdrant_edge.TokenizerType.Multilingual))
@@ -36,15 +49,3 @@ class SparseEncoder:
         vector = self._bm25.embed_query(prepare(text))
         return SparseVector(list(vector.indices), list(vector.values))
 
-
-TIE_LEVELS = 1024
-TIE_STEP = 2.0 ** -18  # float32 keeps 23 bits: a step stays visible through a sum of a few terms
-
-
-def tie_break(memory_id: str) -> float:
-    """A factor just above 1 (at most 1 + 2^-8), fixed by the memory's id, for its BM25 weights.
-    Equal BM25 scores are common in short texts, and Qdrant ranks them in no fixed order, which
-    differs between two indexes of the same memories (two replicas, an index before and after a
-    rebuild): a hybrid search then fused them into different answers (bench/analysis.md, round 24).
-    Scaled like this, memories that would tie rank by their ids' factors, alike everywhere."""
-    return 1.0 + (zlib.crc32(memory_id.encode()) % TIE_LEVELS + 1) * TIE_STEP

@@ -1,4 +1,5 @@
-"""`python -m bench [mem0|service|latency|mixed|http|locomo|report]`: run one part, or with no part all of them + the report."""
+"""`python -m bench [mem0|service|latency|mixed|http|locomo|replicas|report]`: run one part, or with no part all of
+them + the report (`replicas` only when asked)."""
 
 import argparse
 import os
@@ -14,7 +15,8 @@ QUICK = {"mem0": ["--sizes", "1000,3000", "--queries", "50", "--batch-groups", "
          "latency": ["--sizes", "1000,3000", "--queries", "50", "--out", "quick-service-latency"],
          "mixed": ["--prefill", "2000", "--duration", "5", "--out", "quick-mixed-load"],
          "http": ["--duration", "5", "--prefill", "2000", "--out", "quick-http"],
-         "locomo": ["--limit", "1", "--out", "quick-locomo"]}
+         "locomo": ["--limit", "1", "--out", "quick-locomo"],
+         "replicas": ["--limit", "1", "--out", "quick-replicas"]}
 
 
 def run_mem0(args):
@@ -40,6 +42,9 @@ def run_part(part, args):
     elif part == "locomo":
         from bench import locomo
         locomo.main(args or [LOCOMO])
+    elif part == "replicas":
+        from bench import replicas
+        replicas.main(args or [LOCOMO])
     elif part == "report":
         # matplotlib is in the bench venv only (the server's venv stays lean).
         subprocess.run([MEM0_PYTHON, "-c", "from bench import report; print(report.write())"], cwd=ROOT, check=True)
@@ -47,8 +52,9 @@ def run_part(part, args):
 
 def main():
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("part", nargs="?", choices=["mem0", "service", "latency", "mixed", "http", "locomo", "report"],
-                   help="one part; omitted: all parts, then the report")
+    p.add_argument("part", nargs="?",
+                   choices=["mem0", "service", "latency", "mixed", "http", "locomo", "replicas", "report"],
+                   help="one part; omitted: all parts but replicas, then the report")
     p.add_argument("--quick", action="store_true", help="small sizes and short runs (smoke test; results quick-*.json)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the part (see `python -m bench PART -- -h`)")
     a = p.parse_args()
@@ -59,7 +65,7 @@ def main():
     for part in parts:
         args = rest
         if a.quick and part in QUICK:
-            args = QUICK[part] + ([LOCOMO] if part == "locomo" and not rest else []) + rest
+            args = QUICK[part] + ([LOCOMO] if part in ("locomo", "replicas") and not rest else []) + rest
         run_part(part, args)
 
 

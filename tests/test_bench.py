@@ -210,3 +210,21 @@ def test_the_mixed_load_part_runs_searches_beside_long_adds_and_counts_both(tmp_
     assert result["searches_per_s"] == pytest.approx(result["search"]["n"] / result["seconds"])
     assert result["cpu_ms_per_operation"] > 0
     assert stored == 200 + result["add"]["n"]  # every timed add wrote a new memory (the turns differ)
+
+
+def test_two_replicas_of_a_locomo_store_answer_every_question_alike(tmp_path, embedder):
+    from bench import replicas
+
+    settings = make_settings(tmp_path / "data")
+    live, stop = start_server(settings, embedder)
+    try:
+        with live.client() as client:
+            locomo.load(client, SAMPLES)
+    finally:
+        stop()
+    result = replicas.compare(settings, SAMPLES, embedder=embedder)
+    assert result["questions"] == 4 and result["points"] == [6, 6]
+    assert (settings.data_dir / "index-1").is_dir()  # the second runtime built an index of its own
+    assert result["modes"] == {mode: {"top5_set_differs": 0, "set_differs": 0, "order_differs": 0}
+                               for mode in ("dense", "keyword", "hybrid")}
+    assert result["same_index_twice_order_differs"] == 0

@@ -246,7 +246,7 @@ def test_two_indexes_of_the_same_memories_rank_equal_bm25_scores_alike(backend, 
     texts = [f"{name} likes {pastime}" for name in ("Ann", "Bob", "Cid", "Dee", "Eli", "Fay")
              for pastime in ("tea", "chess", "jazz", "golf", "opera")]
     ids, factors = [], set()
-    for n in range(1, 1000):  # ids whose factors differ (1,024 of them: a large tie may hold two alike)
+    for n in range(1, 1000):  # ids whose factors differ (4,096 of them: a large tie may hold two alike)
         candidate = str(uuid.UUID(int=n))
         if tie_break(candidate) not in factors:
             ids.append(candidate)

@@ -23,12 +23,12 @@ def prepare(text: str) -> str:
     return f"{text} {' '.join(pairs)}" if pairs else text
 
 
-TIE_LEVELS = 1024
-TIE_STEP = 2.0 ** -18  # float32 keeps 23 bits: a step stays visible through a sum of a few terms
+TIE_LEVELS = 4096
+TIE_STEP = 2.0 ** -20  # 4-8 float32 steps of a weight: rounding can merge two factors, never swap them
 
 
 def tie_break(memory_id: str) -> float:
-    """A factor just above 1 (at most 1 + 2^-8), fixed by the memory's id, for its BM25 weights.
+    """A factor just above 1 (up to ~1 + 2^-8, in 4,096 steps), fixed by the memory's id, for its BM25 weights.
     Equal BM25 scores are common in short texts, and Qdrant ranks them in no fixed order, which
     differs between two indexes of the same memories (two replicas, an index before and after a
     rebuild): a hybrid search then fused them into different answers (bench/analysis.md, round 24).

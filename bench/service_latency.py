@@ -6,7 +6,6 @@ batch add throughput; RSS, disk and reopen time at each size (the 1M point is th
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import subprocess

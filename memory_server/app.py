@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from memory_server import __version__
 from memory_server.api import health, keys, memories
@@ -111,13 +112,28 @@ def _install_error_handlers(app: FastAPI) -> None:
         return validation_error_response([{**first, "loc": loc}])
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's `Allow` names the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request.scope))}
+        return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail),
+                              headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):
         log.exception("unhandled error")
         return internal_error_response()
+
+
+def _allowed_methods(app: FastAPI, scope) -> list[str]:
+    """Every method some route of this path answers (a 405's `Allow` header)."""
+    methods = set()
+    # FastAPI's own routes (the docs) and ours, as their routers hold them: an included router
+    # stands in the app's list as one entry that matches no request by itself.
+    for route in (*app.router.routes, *(route for router in ROUTERS for route in router.routes)):
+        if route.matches(scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 class ObserveRequests:

@@ -83,7 +83,7 @@ class AddRequest(BaseModel):
     run_id: ScopeId | None = None
     metadata: Metadata | None = None
     expires_at: UtcDatetime | None = None
-    infer: bool = False
+    infer: bool = Field(False, strict=True)
 
 
 class BatchAddRequest(BaseModel):
@@ -106,8 +106,10 @@ class SearchRequest(BaseModel):
 
     query: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     filters: dict[str, Any] | None = None
-    top_k: int = Field(10, ge=1, le=100)
-    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    # Strict: a number is a JSON number, as the OpenAPI document says ("10", true and 2.5 are refused,
+    # not read as 10, 1.0 and 2).
+    top_k: int = Field(10, ge=1, le=100, strict=True)
+    threshold: float | None = Field(None, ge=0.0, le=1.0, strict=True)
     mode: Literal["hybrid", "dense", "keyword"] = "hybrid"
     # mem0 OSS style: scope ids at the top level are ANDed into `filters`.
     user_id: ScopeId | None = None
@@ -187,3 +189,19 @@ class KeyCreated(KeyPublic):
 
 class KeyList(BaseModel):
     results: list[KeyPublic]
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="snake_case, stable: what a program branches on")
+    message: str = Field(description="for people")
+    field: str | None = Field(None, description="the request field at fault, as a path (`items[3].text`)")
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer (API.md, Conventions)."""
+    error: ErrorDetail
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not ready"]
+    checks: dict[str, bool]

@@ -192,6 +192,7 @@ ADD_CASES = [
     ("user_id not a string", add_body(user_id=7), "user_id"),
     ("metadata a list", add_body(metadata=["topic", "tea"]), "metadata"),
     ("infer not a boolean", add_body(infer="maybe"), "infer"),
+    ("infer a number", add_body(infer=1), "infer"),
     ("expires_at in the past", add_body(expires_at=PAST), "expires_at"),
     ("expires_at not a time", add_body(expires_at="next tuesday"), "expires_at"),
 ]
@@ -294,6 +295,10 @@ def filtered(filters) -> dict:
 SEARCH_CASES = [
     ("top_k not a number", search_body(top_k="ten"), "top_k"),
     ("top_k 0", search_body(top_k=0), "top_k"),
+    ("top_k a string of digits", search_body(top_k="10"), "top_k"),
+    ("top_k a boolean", search_body(top_k=True), "top_k"),
+    ("top_k a fraction", search_body(top_k=2.5), "top_k"),
+    ("threshold a boolean", search_body(threshold=False), "threshold"),
     ("top_k 101", search_body(top_k=101), "top_k"),
     ("threshold below 0", search_body(threshold=-0.1), "threshold"),
     ("threshold above 1", search_body(threshold=1.5), "threshold"),
@@ -475,3 +480,15 @@ def test_expired_memory_is_404(client):
         time.sleep(0.1)
     assert_error(client.get(f"/v1/memories/{memory_id}"), 404, None, "not_found")
     assert_error(client.patch(f"/v1/memories/{memory_id}", json={"text": "renewed"}), 404, None, "not_found")
+
+
+def test_wrong_method_is_405_and_allow_names_every_method_of_the_path(client, subtests):
+    for method, path, allowed in (("PUT", "/v1/memories", "DELETE, GET, POST"),
+                                  ("PUT", "/v1/memories/01a2", "DELETE, GET, PATCH"),
+                                  ("POST", "/v1/memories/01a2/history", "GET"),
+                                  ("GET", "/v1/admin/keys/key_1", "DELETE"),
+                                  ("POST", "/healthz", "GET")):
+        with subtests.test(f"{method} {path}"):
+            response = client.request(method, path)
+            assert_error(response, 405, None, "method_not_allowed")
+            assert response.headers["allow"] == allowed

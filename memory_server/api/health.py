@@ -5,6 +5,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
+from memory_server.api.responses import documented_errors
+from memory_server.schemas import Readiness
 from memory_server.timing import in_thread
 
 router = APIRouter(tags=["health"])
@@ -15,14 +17,17 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", response_model=Readiness,
+            responses={503: {"model": Readiness, "description": "a backend (database, model, index) is not ready"}})
 async def readyz(runtime: RuntimeDep) -> JSONResponse:
     checks = await in_thread(runtime.ready)
     ok = all(checks.values())
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text format"},
+    **documented_errors(401, 403, 422)})
 async def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
     principal.require_admin()
     metrics = request.app.state.metrics

@@ -4,12 +4,13 @@ from fastapi import APIRouter
 from sqlmodel import Session
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
+from memory_server.api.responses import documented_errors
 from memory_server.auth import Principal, create_key, list_keys, revoke_key
 from memory_server.runtime import Runtime
 from memory_server.schemas import KeyCreate, KeyCreated, KeyList, KeyPublic
 from memory_server.timing import in_thread
 
-router = APIRouter(prefix="/v1/admin/keys", tags=["admin"])
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], responses=documented_errors(400, 401, 403, 413, 422))
 
 
 @router.post("", response_model=KeyCreated, status_code=201)
@@ -37,7 +38,7 @@ def _list(runtime: Runtime, principal: Principal) -> KeyList:
         return KeyList(results=[KeyPublic.model_validate(r, from_attributes=True) for r in rows])
 
 
-@router.delete("/{key_id}", response_model=KeyPublic)
+@router.delete("/{key_id}", response_model=KeyPublic, responses=documented_errors(404))
 async def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
     principal.require_admin()
     revoked = await in_thread(_revoke, runtime, principal, key_id)

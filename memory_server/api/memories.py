@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from memory_server.api.deps import MemoriesDep, PrincipalDep
+from memory_server.api.responses import documented_errors
 from memory_server.auth import Principal
 from memory_server.schemas import (
     SCOPE_ID_PATTERN, AddRequest, AddResponse, BatchAddRequest, DeleteResponse, HistoryResponse, MemoryOut,
@@ -18,7 +19,9 @@ from memory_server.schemas import (
 from memory_server.services.vector_memory import VectorMemory
 from memory_server.timing import in_thread
 
-router = APIRouter(prefix="/v1/memories", tags=["vector memory"])
+router = APIRouter(prefix="/v1/memories", tags=["vector memory"],
+                   responses=documented_errors(400, 401, 403, 413, 422, 503))
+ONE_MEMORY = documented_errors(404)  # the routes of one memory by id
 ScopeQuery = Annotated[str | None, Query(pattern=SCOPE_ID_PATTERN)]
 
 
@@ -70,22 +73,22 @@ async def delete_scope(principal: PrincipalDep, memories: MemoriesDep, user_id: 
     return DeleteResponse(deleted=deleted)
 
 
-@router.get("/{memory_id}", response_model=MemoryOut)
+@router.get("/{memory_id}", response_model=MemoryOut, responses=ONE_MEMORY)
 async def get_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> MemoryOut:
     return await in_thread(memories.get, principal, memory_id)
 
 
-@router.patch("/{memory_id}", response_model=MemoryOut)
+@router.patch("/{memory_id}", response_model=MemoryOut, responses=ONE_MEMORY)
 async def update_memory(memory_id: str, body: UpdateRequest, principal: PrincipalDep,
                         memories: MemoriesDep) -> MemoryOut:
     return await in_thread(memories.update, principal, memory_id, body)
 
 
-@router.delete("/{memory_id}", response_model=DeleteResponse)
+@router.delete("/{memory_id}", response_model=DeleteResponse, responses=ONE_MEMORY)
 async def delete_memory(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> DeleteResponse:
     return DeleteResponse(deleted=await in_thread(memories.delete, principal, memory_id))
 
 
-@router.get("/{memory_id}/history", response_model=HistoryResponse)
+@router.get("/{memory_id}/history", response_model=HistoryResponse, responses=ONE_MEMORY)
 async def memory_history(memory_id: str, principal: PrincipalDep, memories: MemoriesDep) -> HistoryResponse:
     return HistoryResponse(results=await in_thread(memories.history, principal, memory_id))

@@ -3,10 +3,28 @@
 from fastapi.responses import JSONResponse
 
 from memory_server.errors import MemoryServerError
+from memory_server.schemas import ErrorResponse
+
+_MEANINGS = {
+    400: "the body is not JSON, or a cursor or request is malformed",
+    401: "no key, an unknown key or a revoked key",
+    403: "the key may not do this (an agent key on an admin route, a user or agent outside its restriction)",
+    404: "no such thing in the key's tenant (and scope)",
+    413: "the body is over the size limit",
+    422: "a field is invalid; `field` names it",
+    503: "a backend is not ready; the change, if any, is saved and applied once it recovers",
+}
 
 
-def error_response(status: int, code: str, message: str, field: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, "field": field}}, status_code=status)
+def documented_errors(*statuses: int) -> dict:
+    """OpenAPI `responses` for these statuses, each with the error JSON, for a router or a route."""
+    return {status: {"model": ErrorResponse, "description": _MEANINGS[status]} for status in statuses}
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None, *,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "field": field}}, status_code=status,
+                        headers=headers)
 
 
 def domain_error_response(exc: MemoryServerError) -> JSONResponse:

@@ -74,7 +74,9 @@ Message.model_rebuild()
 class AddRequest(BaseModel):
     """One add: `messages` (each non-system message becomes a memory) or `text`."""
 
-    model_config = ConfigDict(extra="ignore")
+    # The document says "one of the two" (the service says "exactly one", with a 422).
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [{"required": ["text"]},
+                                                                           {"required": ["messages"]}]})
 
     messages: list[Message] | None = None
     text: str | None = None

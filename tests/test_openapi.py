@@ -42,7 +42,13 @@ def test_error_answers_are_documented_with_the_error_json(tmp_path):
                     assert response["content"]["application/json"]["schema"] == error_ref, (method, path, status)
             if "{memory_id}" in path or "{key_id}" in path:
                 assert "404" in operation["responses"], (method, path)
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path == "/metrics":
                 assert {"401", "403", "422"} <= set(operation["responses"]), (method, path)
+                assert operation["security"] == [{"APIKey": []}], (method, path)
     assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert set(document["paths"]["/readyz"]["get"]["responses"]) == {"200", "503"}
+    assert document["components"]["securitySchemes"]["APIKey"] == {
+        "type": "apiKey", "in": "header", "name": "Authorization",
+        "description": "`Bearer <key>` (or mem0's `Token <key>`)"}
+    add = document["components"]["schemas"]["AddRequest"]
+    assert add["anyOf"] == [{"required": ["text"]}, {"required": ["messages"]}]

@@ -12,7 +12,8 @@ thread behind every request waiting for its first.
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader
 from sqlmodel import Session
 
 from memory_server.auth import Principal, parse_authorization, verify_key
@@ -28,7 +29,13 @@ async def get_runtime(request: Request) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-async def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+# The OpenAPI document's security scheme (so /docs has an "Authorize" button); the header's value
+# is the whole `Bearer <key>` or `Token <key>`, checked by principal_for (a missing one is a 401 there).
+API_KEY = APIKeyHeader(name="Authorization", scheme_name="APIKey", auto_error=False,
+                       description="`Bearer <key>` (or mem0's `Token <key>`)")
+
+
+async def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None, Depends(API_KEY)]) -> Principal:
     return await principal_for(runtime, authorization)
 
 

@@ -95,7 +95,10 @@ def _condition(key: str, op: str, value: Any, where: str) -> Condition:
             raise InvalidInput(f"{key} supports eq, ne, gt, gte, lt, lte", field=where)
         value = to_epoch(value, where)
     else:
+        integers = _integers(value)
         value = _metadata_operand(op, value, where)
+        if op in ("eq", "ne", "in", "nin") and integers:
+            return _equal_numbers(key, op, integers)
 
     if op == "eq":
         return Field(key, "eq", value)
@@ -109,6 +112,23 @@ def _condition(key: str, op: str, value: Any, where: str) -> Condition:
         # A list holding the value, or a string containing it.
         return Any_((Field(key, "eq", value), Field(key, "substring", value)))
     return Field(key, op, value)
+
+
+def _integers(value: Any) -> tuple[int, ...]:
+    """The integers of an equality operand (a number or a list of them; booleans are not numbers)."""
+    items = value if isinstance(value, list) else [value]
+    return tuple(items) if items and all(isinstance(v, int) and not isinstance(v, bool) for v in items) else ()
+
+
+def _equal_numbers(key: str, op: str, integers: tuple[int, ...]) -> Condition:
+    """eq / ne / in / nin with integers on metadata: 3 equals a stored 3 and a stored 3.0. The indexes
+    match an integer against integers only (a float operand is a range, which matches both), and
+    JSON keeps 3.0 a float."""
+    exact = Field(key, "eq", integers[0]) if op in ("eq", "ne") else Field(key, "in", integers)
+    # Beyond 2^53 a float stands for several integers: there only the exact match counts.
+    floats = tuple(Field(key, "eq", float(v)) for v in integers if abs(v) <= 2**53)
+    condition = Any_((exact, *floats)) if floats else exact
+    return Not(condition) if op in ("ne", "nin") else condition
 
 
 def _list(value: Any, where: str) -> list:

@@ -104,6 +104,16 @@ class MemoryLifecycle(RuleBasedStateMachine):
             wanted = {i: (m["text"], m["metadata"]) for i, m in self.live.items() if m["user"] == user}
             page = self.service.list(self.principal, user_id=user, limit=200)
             assert {m.id: (m.memory, m.metadata) for m in page.results} == wanted
+            assert page.next_cursor is None
+            # Pages of 3 give the same memories in the same order (newest first), each once.
+            paged, cursor = [], None
+            while True:
+                small = self.service.list(self.principal, user_id=user, limit=3, cursor=cursor)
+                paged += [m.id for m in small.results]
+                if small.next_cursor is None:
+                    break
+                cursor = small.next_cursor
+            assert paged == [m.id for m in page.results]
             # The index holds exactly the live memories: a dense search ranks every point of the scope.
             hits = self.service.search(self.principal, SearchRequest(query="parcel on a shelf", user_id=user,
                                                                      mode="dense", top_k=100))

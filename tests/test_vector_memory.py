@@ -169,6 +169,40 @@ def test_duplicates_inside_one_batch_collapse(server):
         assert [r["event"] for r in results] == ["ADD", "NOOP"] and results[0]["id"] == results[1]["id"]
 
 
+def test_the_same_memory_added_at_once_by_many_requests_is_stored_once(server):
+    """Retries and parallel writers send the same memory at the same moment: the checks ran before
+    any of them committed, so the last one is made under the write lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(n):
+        with server.client() as c:
+            if n % 3 == 2:  # a batch repeating it, beside a memory of its own
+                body = {"items": [{"text": "Ada moved to Lisbon in 2019", "user_id": "ada"},
+                                  {"text": "Ada moved to Lisbon in 2019", "user_id": "ada"},
+                                  {"text": f"Ada owns {n + 1} bicycles", "user_id": "ada"}]}
+                response = c.post("/v1/memories/batch", json=body)
+            else:
+                response = c.post("/v1/memories", json={"text": "Ada moved to Lisbon in 2019", "user_id": "ada"})
+            assert response.status_code == 200, response.text
+            return response.json()["results"]
+
+    for _ in range(3):
+        with server.client() as c:
+            c.delete("/v1/memories", params={"user_id": "ada"})
+        with ThreadPoolExecutor(9) as pool:
+            answers = list(pool.map(send, range(9)))
+        lisbon = {r["id"] for results in answers for r in results if r["memory"] == "Ada moved to Lisbon in 2019"}
+        assert len(lisbon) == 1
+        assert sum(r["event"] == "ADD" for results in answers for r in results
+                   if r["memory"] == "Ada moved to Lisbon in 2019") <= 1
+        with server.client() as c:
+            stored = c.get("/v1/memories", params={"user_id": "ada"}).json()["results"]
+            assert sorted(m["memory"] for m in stored) == sorted(
+                ["Ada moved to Lisbon in 2019"] + [f"Ada owns {n + 1} bicycles" for n in range(2, 9, 3)])
+            hits = search(c, "where did Ada move", filters={"user_id": "ada"}, mode="dense")
+            assert [h["id"] for h in hits if h["memory"].startswith("Ada moved")] == list(lisbon)
+
+
 def test_duplicates_are_found_across_a_large_batch_and_the_store(server):
     """Batches are checked in groups (one index query per group): duplicates of stored memories and
     of earlier items in other groups of the same batch are still caught, numbers still matter."""

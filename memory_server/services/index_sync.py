@@ -79,6 +79,11 @@ _POINT_ROWS = ("SELECT id, tenant_id, user_id, agent_id, run_id, text, metadata,
                f"expires_at FROM {MemoryRecord.__tablename__} WHERE id IN ")
 
 
+def change_log_head(connection: Connection) -> int:
+    """The position of the last committed change (0: none yet); any write moves it."""
+    return driver_rows(connection, _HEAD)[0][0] or 0
+
+
 class IndexSync:
     """Applies change-log entries after the index's recorded position, in order."""
 
@@ -93,7 +98,7 @@ class IndexSync:
     def head(self) -> int:
         # The driver's cursor on a plain connection: every search asks this first (storage/db.py).
         with self.engine.connect() as connection:
-            return driver_rows(connection, _HEAD)[0][0] or 0
+            return change_log_head(connection)
 
     def follow(self) -> None:
         """Apply what other processes (workers, replicas) committed, if anything: a search then

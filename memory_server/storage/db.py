@@ -93,6 +93,19 @@ def create_schema(engine: Engine) -> None:
                 connection.execute(text(f"DROP INDEX IF EXISTS {name}"))
 
 
+def begin_write(connection: Connection) -> None:
+    """Take the database's write lock now, before the statements that decide what to write: until
+    this transaction ends no other writer (thread, worker or replica) commits, and what this one
+    reads from here on includes everything committed before. SQLite: `BEGIN IMMEDIATE` (the driver
+    would begin at the first write, after the reads). PostgreSQL: the change log's lock, which every
+    write takes anyway (lock_change_log)."""
+    if connection.dialect.name == "sqlite":
+        if not connection.connection.dbapi_connection.in_transaction:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        lock_change_log(connection)
+
+
 def lock_change_log(session: Session | Connection) -> None:
     """Hold the append lock until commit, so a reader never sees position N+1 before N."""
     bind = session if isinstance(session, Connection) else session.get_bind()

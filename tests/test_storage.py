@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -721,16 +722,22 @@ def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others
         assert [hit.id for hit in second.memories.search(admin, search)] == [added.id]
         second.memories.update(admin, added.id, UpdateRequest(text="Quinn keeps bees and hens on the roof"))
         assert [hit.memory for hit in first.memories.search(admin, search)] == ["Quinn keeps bees and hens on the roof"]
-        with Session(first.engine) as racing:  # `first` loads the row, then `second` deletes it
-            stale = racing.get(MemoryRecord, added.id)
-            second.memories.delete(admin, added.id)
-            assert first.memories._delete_rows(racing, [stale], "key_racer") == []  # lost the race: no entry
-            racing.commit()
+        with Session(first.engine) as racing:  # `first` holds the write lock: `second`'s delete waits for it
+            row = first.memories._locked(racing, admin, added.id)
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(second.memories.delete, admin, added.id)
+                time.sleep(0.5)
+                assert not waiting.done()
+                first.memories._delete_rows(racing, [row], "key_racer")
+                racing.commit()
+                with pytest.raises(NotFound):  # then reads the row again: gone
+                    waiting.result(timeout=30)
         assert first.memories.search(admin, search) == []
         with pytest.raises(NotFound):
             first.memories.delete(admin, added.id)
-        events = [h.event for h in second.memories.history(admin, added.id)]
-        assert events == ["ADD", "UPDATE", "DELETE"]
+        history = second.memories.history(admin, added.id)
+        assert [(h.event, h.actor) for h in history] == [("ADD", admin.key_id), ("UPDATE", admin.key_id),
+                                                         ("DELETE", "key_racer")]
     finally:
         second.close()
         first.close()

@@ -203,6 +203,44 @@ def test_the_same_memory_added_at_once_by_many_requests_is_stored_once(server):
             assert [h["id"] for h in hits if h["memory"].startswith("Ada moved")] == list(lisbon)
 
 
+def test_a_memory_changed_and_deleted_by_many_requests_at_once_keeps_a_history_that_follows_on(server):
+    """Updates and a delete of one memory at the same moment: each is applied to what the one
+    before it left (the history's entries follow on from each other), an update that comes after
+    the delete is a 404, never a 500, and the index holds what the database holds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def change(memory_id, n):
+        with server.client() as c:
+            if n == "delete":
+                return n, c.delete(f"/v1/memories/{memory_id}")
+            return n, c.patch(f"/v1/memories/{memory_id}", json={"text": f"Zed now drinks coffee brand {n}",
+                                                                   "metadata": {"version": n}})
+
+    for deleting in (True, False, True):
+        with server.client() as c:
+            c.delete("/v1/memories", params={"user_id": "zed"})
+            memory = add(c, "Zed drinks green tea every morning", user_id="zed")
+        requests = [0, 1, 2, 3, 4] + (["delete"] if deleting else [])
+        with ThreadPoolExecutor(len(requests)) as pool:
+            answers = list(pool.map(lambda n: change(memory["id"], n), requests))
+        assert {r.status_code for _, r in answers} <= {200, 404}, [r.text for _, r in answers]
+        updated = [n for n, r in answers if n != "delete" and r.status_code == 200]
+        with server.client() as c:
+            history = c.get(f"/v1/memories/{memory['id']}/history").json()["results"]
+            now = c.get(f"/v1/memories/{memory['id']}")
+            hits = search(c, "what does Zed drink", filters={"user_id": "zed"}, mode="dense")
+        assert [e["event"] for e in history] == ["ADD"] + ["UPDATE"] * len(updated) + (["DELETE"] if deleting else [])
+        for before, after in zip(history, history[1:]):
+            assert after["old_memory"] == before["new_memory"]
+        if deleting:
+            assert now.status_code == 404 and hits == []
+        else:
+            assert len(updated) == 5
+            assert now.json()["memory"] == history[-1]["new_memory"]
+            assert now.json()["metadata"] == {"version": int(history[-1]["new_memory"].rsplit(" ", 1)[1])}
+            assert [(h["id"], h["memory"]) for h in hits] == [(memory["id"], history[-1]["new_memory"])]
+
+
 def test_duplicates_are_found_across_a_large_batch_and_the_store(server):
     """Batches are checked in groups (one index query per group): duplicates of stored memories and
     of earlier items in other groups of the same batch are still caught, numbers still matter."""

@@ -417,20 +417,27 @@ class VectorMemory:
         if not given & {"text", "metadata", "expires_at"}:
             raise InvalidInput("give at least one of text, metadata, expires_at", field="text")
         now = utcnow()
+        text = (request.text or "").strip() if "text" in given else None
+        if text is not None:
+            self._check_text(text, "text")
+        if "expires_at" in given and request.expires_at is not None and request.expires_at <= now:
+            raise InvalidInput("expires_at is in the past", field="expires_at")
+        # The new text is embedded before the write lock is taken, so that writers do not wait for
+        # the model; the row is read again under the lock (another request may have changed it).
         with Session(self.engine) as session:
-            row = self._load(session, principal, memory_id)
+            seen = self._load(session, principal, memory_id)
+            vector = (self.embedder.embed([embedding_input(text, seen.context)])[0]
+                      if text is not None and text != seen.text else None)
+        with Session(self.engine) as session:
+            row = self._locked(session, principal, memory_id)
             old_text = row.text
-            if "text" in given:
-                text = (request.text or "").strip()
-                self._check_text(text, "text")
-                if text != row.text:
-                    row.text, row.hash = text, text_hash(text)
-                    row.embedding = self.embedder.embed([embedding_input(text, row.context)])[0].tobytes()
+            if text is not None and text != row.text:
+                if vector is None:  # the text it had when first read was this one; it changed since
+                    vector = self.embedder.embed([embedding_input(text, row.context)])[0]
+                row.text, row.hash, row.embedding = text, text_hash(text), vector.tobytes()
             if "metadata" in given:
                 row.meta = request.metadata or {}
             if "expires_at" in given:
-                if request.expires_at is not None and request.expires_at <= now:
-                    raise InvalidInput("expires_at is in the past", field="expires_at")
                 row.expires_at = request.expires_at
             row.updated_at = now
             session.add(row)
@@ -443,18 +450,26 @@ class VectorMemory:
 
     def delete(self, principal: Principal, memory_id: str) -> int:
         with Session(self.engine) as session:
-            row = self._load(session, principal, memory_id)
-            if not self._delete_rows(session, [row], principal.key_id):
-                raise NotFound(f"no memory '{memory_id}'")  # deleted by a concurrent request
+            row = self._locked(session, principal, memory_id)
+            self._delete_rows(session, [row], principal.key_id)
             session.commit()
         self._publish()
         return 1
+
+    def _locked(self, session: Session, principal: Principal, memory_id: str) -> MemoryRecord:
+        """The memory as it is once this session holds the write lock: a change or delete made by
+        another request meanwhile is seen, and none is made until this session commits (two
+        requests changing one memory at once were both applied to what each had read: history
+        entries that did not follow each other, and 500s from an update whose row was deleted)."""
+        begin_write(session.connection())
+        return self._load(session, principal, memory_id)
 
     def delete_scope(self, principal: Principal, *, user_id: str | None = None, agent_id: str | None = None,
                      run_id: str | None = None) -> int:
         if not (user_id or agent_id or run_id):
             raise InvalidInput("name at least one of user_id, agent_id, run_id", field="user_id")
         with Session(self.engine) as session:
+            begin_write(session.connection())
             rows = session.exec(select(MemoryRecord).where(*self._scope_clauses(principal, user_id, agent_id, run_id))).all()
             deleted = self._delete_rows(session, rows, principal.key_id)
             session.commit()
@@ -462,21 +477,18 @@ class VectorMemory:
         return len(deleted)
 
     def _delete_rows(self, session: Session, rows: list[MemoryRecord], actor: str) -> list[MemoryRecord]:
-        """Delete rows and record what was actually deleted: when two requests or processes delete
-        the same memory at once, only the one whose DELETE removed the row records it."""
+        """Delete rows read under the write lock (begin_write) and record them."""
         ids = [row.id for row in rows]
-        gone: set[str] = set()
         for start in range(0, len(ids), 500):
-            statement = (sql_delete(MemoryRecord).where(col(MemoryRecord.id).in_(ids[start:start + 500]))
-                         .returning(MemoryRecord.id).execution_options(synchronize_session=False))
-            gone.update(session.execute(statement).scalars())
-        deleted = [row for row in rows if row.id in gone]
-        self._record(session, [(row, row.text, None) for row in deleted], "DELETE", actor)
-        return deleted
+            session.execute(sql_delete(MemoryRecord).where(col(MemoryRecord.id).in_(ids[start:start + 500]))
+                            .execution_options(synchronize_session=False))
+        self._record(session, [(row, row.text, None) for row in rows], "DELETE", actor)
+        return rows
 
     def purge_expired(self, limit: int = 1000) -> int:
         now = utcnow()
         with Session(self.engine) as session:
+            begin_write(session.connection())
             rows = session.exec(select(MemoryRecord).where(col(MemoryRecord.expires_at).is_not(None),
                                                            MemoryRecord.expires_at <= now).limit(limit)).all()
             if not rows:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from sqlalchemy import event
 from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
@@ -707,6 +708,28 @@ def test_a_failing_model_call_fails_only_the_callers_still_waiting(embedder):
     assert query.result().shape == (1, embedder.dimension)
     with pytest.raises(RuntimeError, match="out of memory"):
         message.result()
+
+
+def test_an_update_answers_with_what_it_wrote_when_the_memory_is_deleted_right_after_its_commit(runtime, admin):
+    """Between an update's commit and its answer another request may delete the memory: the answer
+    is what the update wrote (reading the row back after the commit was a 500)."""
+    [added] = runtime.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn")).results
+    deleted = []
+
+    def delete_after_the_update(session):
+        if not deleted:  # once: the delete's own commit comes here too
+            deleted.append(added.id)
+            runtime.memories.delete(admin, added.id)
+
+    event.listen(Session, "after_commit", delete_after_the_update)
+    try:
+        answer = runtime.memories.update(admin, added.id, UpdateRequest(text="Quinn keeps bees and hens on the roof"))
+    finally:
+        event.remove(Session, "after_commit", delete_after_the_update)
+    assert deleted == [added.id]
+    assert (answer.id, answer.memory) == (added.id, "Quinn keeps bees and hens on the roof")
+    assert [(h.event, h.new_memory) for h in runtime.memories.history(admin, added.id)] == [
+        ("ADD", "Quinn keeps bees on the roof"), ("UPDATE", "Quinn keeps bees and hens on the roof"), ("DELETE", None)]
 
 
 def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others_writes(settings, embedder, admin):

@@ -442,9 +442,8 @@ class VectorMemory:
             row.updated_at = now
             session.add(row)
             self._record(session, [(row, old_text, row.text)], "UPDATE", principal.key_id)
+            result = to_public(row)  # as written: once committed, another request may delete it
             session.commit()
-            session.refresh(row)
-            result = to_public(row)
         self._publish()
         return result
 

@@ -1,5 +1,6 @@
 """Request and response models of the public HTTP API (field names follow mem0's)."""
 
+import math
 import re
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
@@ -35,15 +36,41 @@ UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 INT64 = (-(2**63), 2**63 - 1)
 
 
+def is_unicode(text: str) -> bool:
+    """False for a string no store can hold: JSON's `\\ud800` escape alone (a surrogate that is
+    not half of a pair) decodes to one, and UTF-8 has no encoding for it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unicode_text(value: str) -> str:
+    if not is_unicode(value):
+        raise ValueError("text must be valid Unicode (it holds a lone surrogate such as \\ud800)")
+    return value
+
+
+# Free text: every string that is stored or compared is valid Unicode (schemas.is_unicode).
+UnicodeText = Annotated[str, AfterValidator(_unicode_text)]
+
+
 def check_json_values(value: Any, depth: int = 0) -> Any:
-    """Metadata must fit every store: integers in 64 bits, no NUL characters (PostgreSQL refuses
-    them), nesting at most 8 levels."""
+    """Metadata must fit every store: integers in 64 bits, finite numbers (JSON has no NaN or
+    Infinity; PostgreSQL refuses them), valid Unicode without NUL characters (PostgreSQL refuses
+    NUL, no store takes a lone surrogate), nesting at most 8 levels."""
     if depth > 8:
         raise ValueError("metadata is nested too deeply (8 levels at most)")
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
         raise ValueError("metadata integers must fit in 64 bits")
-    if isinstance(value, str) and "\x00" in value:
-        raise ValueError("metadata strings must not contain NUL characters")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("metadata numbers must be finite (NaN and Infinity are not JSON)")
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError("metadata strings must not contain NUL characters")
+        if not is_unicode(value):
+            raise ValueError("metadata strings must be valid Unicode (a lone surrogate such as \\ud800 is not)")
     if isinstance(value, dict):
         for key, item in value.items():
             check_json_values(key, depth + 1)
@@ -63,8 +90,8 @@ class _Strict(BaseModel):
 
 class Message(BaseModel):
     role: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    content: str
-    name: str | None = None
+    content: UnicodeText
+    name: UnicodeText | None = None
     metadata: "Metadata | None" = None  # merged over the add's metadata for this message's memory
 
 
@@ -79,7 +106,7 @@ class AddRequest(BaseModel):
                                                                            {"required": ["messages"]}]})
 
     messages: list[Message] | None = None
-    text: str | None = None
+    text: UnicodeText | None = None
     user_id: ScopeId | None = None
     agent_id: ScopeId | None = None
     run_id: ScopeId | None = None
@@ -120,7 +147,7 @@ class SearchRequest(BaseModel):
 
 
 class UpdateRequest(_Strict):
-    text: str | None = None
+    text: UnicodeText | None = None
     metadata: Metadata | None = None
     expires_at: UtcDatetime | None = None
 

@@ -240,6 +240,96 @@ def test_expires_at_beyond_the_datetime_range_in_utc_is_not_a_500(client):
     assert_nothing_stored(client)
 
 
+# JSON's escapes can spell what no store holds: a lone surrogate ("\ud800": valid JSON, no UTF-8
+# form), NaN and Infinity (Python's parser reads them; PostgreSQL refuses them). Written as raw bodies,
+# since a JSON encoder will not produce them. One such memory once wedged the vector index for
+# everyone: it was stored, and then no catch-up could apply it.
+RAW_ADD_CASES = [
+    ("lone surrogate in text", r'{"text": "green \ud800 tea", "user_id": "u1"}', "text"),
+    ("lone low surrogate in a message", r'{"messages": [{"role": "user", "content": "hi \udfff"}], "user_id": "u1"}',
+     "messages[0].content"),
+    ("lone surrogate in a metadata value", r'{"text": "tea", "user_id": "u1", "metadata": {"k": "v\ud800"}}',
+     "metadata"),
+    ("lone surrogate in a metadata key", r'{"text": "tea", "user_id": "u1", "metadata": {"k\udc00": "v"}}', "metadata"),
+    ("lone surrogate in a message's metadata",
+     r'{"messages": [{"role": "user", "content": "hi", "metadata": {"k": ["\ud800"]}}], "user_id": "u1"}',
+     "messages[0].metadata"),
+    ("lone surrogate in user_id", r'{"text": "tea", "user_id": "u\ud800"}', "user_id"),
+    ("NaN in metadata", '{"text": "tea", "user_id": "u1", "metadata": {"n": NaN}}', "metadata"),
+    ("Infinity in metadata", '{"text": "tea", "user_id": "u1", "metadata": {"n": -Infinity}}', "metadata"),
+    ("a number too large for a float in metadata", '{"text": "tea", "user_id": "u1", "metadata": {"n": 1e400}}',
+     "metadata"),
+]
+
+
+def test_text_and_numbers_no_store_can_hold_are_422_and_store_nothing(client, subtests):
+    for name, body, field in RAW_ADD_CASES:
+        with subtests.test(name):
+            assert_error(post_raw(client, "/v1/memories", body), 422, field, "invalid_input")
+            batch = '{"items": [{"text": "fine", "user_id": "u1"}, ' + body + "]}"
+            assert_error(post_raw(client, "/v1/memories/batch", batch), 422, f"items[1].{field}", "invalid_input")
+    assert_nothing_stored(client)
+    # A surrogate pair is one character, not a lone surrogate: stored, and found, as such.
+    response = expect_status(post_raw(client, "/v1/memories", r'{"text": "tea time \ud83c\udf75", "user_id": "u1"}'), 200)
+    assert response.json()["results"][0]["memory"] == "tea time \U0001f375"
+    hits = client.post("/v1/memories/search", json=search_body(query="tea time")).json()["results"]
+    assert [h["memory"] for h in hits] == ["tea time \U0001f375"]
+
+
+def test_patch_with_a_lone_surrogate_or_nan_is_422_and_changes_nothing(client, subtests):
+    before = add(client)
+    for name, body, field in (("text", r'{"text": "x\udfff"}', "text"),
+                              ("metadata value", r'{"metadata": {"k": "\ud800"}}', "metadata"),
+                              ("metadata number", '{"metadata": {"k": NaN}}', "metadata")):
+        with subtests.test(name):
+            assert_error(post_raw(client, f"/v1/memories/{before['id']}", body, method="PATCH"), 422, field)
+    assert_unchanged(client, before)
+
+
+RAW_SEARCH_CASES = [
+    ("lone surrogate in the query", r'{"query": "tea \ud800", "user_id": "u1"}', "query"),
+    ("lone surrogate in a metadata filter",
+     r'{"query": "tea", "filters": {"user_id": "u1", "metadata.k": "\ud800"}}', "filters.metadata.k"),
+    ("lone surrogate in a metadata in-list",
+     r'{"query": "tea", "filters": {"user_id": "u1", "metadata.k": {"in": ["a", "\ud800"]}}}', "filters.metadata.k.in"),
+    ("lone surrogate in a metadata key of a filter",
+     r'{"query": "tea", "filters": {"user_id": "u1", "metadata.k\ud800": 1}}', "filters.metadata.k\ud800"),
+    ("lone surrogate in a scope filter", r'{"query": "tea", "filters": {"user_id": "\ud800"}}', "filters.user_id"),
+    ("NaN in a range filter", '{"query": "tea", "filters": {"user_id": "u1", "metadata.n": {"lt": NaN}}}',
+     "filters.metadata.n.lt"),
+    ("Infinity as a filter value", '{"query": "tea", "filters": {"user_id": "u1", "metadata.n": Infinity}}',
+     "filters.metadata.n"),
+]
+
+
+def test_search_with_text_or_numbers_no_store_can_hold_is_422_naming_the_field(client, subtests):
+    add(client)
+    for name, body, field in RAW_SEARCH_CASES:
+        with subtests.test(name):
+            assert_error(post_raw(client, "/v1/memories/search", body), 422, field.replace(r"\ud800", "\ud800"),
+                         "invalid_input")
+
+
+def test_deeply_nested_bodies_are_4xx_and_store_nothing(client, subtests):
+    deep_filters = {"user_id": "u1"}
+    for _ in range(40):
+        deep_filters = {"NOT": deep_filters} if len(json.dumps(deep_filters)) % 2 else {"AND": [deep_filters]}
+    response = client.post("/v1/memories/search", json=search_body(filters={"user_id": "u1", "AND": [deep_filters]}))
+    assert_error(response, 422, code="invalid_input", field=response.json()["error"]["field"])
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert response.json()["error"]["field"].startswith("filters.AND[0].")
+    nested = "[" * 50_000 + "]" * 50_000  # deeper than Python's JSON parser goes
+    for path, body in (("/v1/memories", '{"text": "tea", "user_id": "u1", "metadata": {"a": ' + nested + "}}"),
+                       ("/v1/memories/batch", '{"items": ' + nested + "}"),
+                       ("/v1/memories/search", '{"query": "tea", "user_id": "u1", "filters": ' + nested + "}")):
+        with subtests.test(path):
+            assert_error(post_raw(client, path, body), 400, None, "bad_request")
+    before = add(client)
+    nested_metadata = '{"metadata": ' + '{"a": ' * 20_000 + "1" + "}" * 20_001
+    assert_error(post_raw(client, f"/v1/memories/{before['id']}", nested_metadata, method="PATCH"), 400, None)
+    assert_unchanged(client, before)
+
+
 # -- batch -----------------------------------------------------------------------------------------
 def test_batch_over_1000_items_is_422_and_stores_nothing(client):
     items = [add_body(text=f"note number {i}") for i in range(1001)]

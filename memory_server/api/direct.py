@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from memory_server.api.deps import principal_for
 from memory_server.api.responses import domain_error_response, internal_error_response, validation_error_response
-from memory_server.errors import MemoryServerError
+from memory_server.errors import BadRequest, MemoryServerError
 from memory_server.timing import in_thread
 
 log = logging.getLogger("memory_server")
@@ -99,6 +99,8 @@ def _parse(model: type[BaseModel], body: bytes, content_type: str | None) -> Bas
         except ValueError as exc:
             raise ValidationError.from_exception_data(
                 model.__name__, [{"type": "json_invalid", "loc": (), "input": body, "ctx": {"error": str(exc)}}]) from None
+        except RecursionError:  # nested deeper than the parser goes: FastAPI's answer to any unreadable body
+            raise BadRequest("There was an error parsing the body") from None
     return model.model_validate(body, from_attributes=True)  # as FastAPI validates a body
 
 

@@ -1,5 +1,7 @@
 """The error JSON of API.md as responses, shared by FastAPI's exception handlers and the direct routes."""
 
+import json
+
 from fastapi.responses import JSONResponse
 
 from memory_server.errors import MemoryServerError
@@ -21,10 +23,17 @@ def documented_errors(*statuses: int) -> dict:
     return {status: {"model": ErrorResponse, "description": _MEANINGS[status]} for status in statuses}
 
 
+class _ErrorJSON(JSONResponse):
+    def render(self, content) -> bytes:
+        # ASCII with escapes: a message or field may quote what the request sent, and that can hold a
+        # lone surrogate (JSON's "\\ud800"), which has no UTF-8 encoding.
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(status: int, code: str, message: str, field: str | None = None, *,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, "field": field}}, status_code=status,
-                        headers=headers)
+    return _ErrorJSON({"error": {"code": code, "message": message, "field": field}}, status_code=status,
+                      headers=headers)
 
 
 def domain_error_response(exc: MemoryServerError) -> JSONResponse:

@@ -33,7 +33,12 @@ def to_epoch(value: Any, field: str) -> float:
     return moment.timestamp()
 
 
-def parse_filters(raw: Any, path: str = "filters") -> Condition:
+MAX_DEPTH = 32  # levels of AND / OR / NOT
+
+
+def parse_filters(raw: Any, path: str = "filters", depth: int = 0) -> Condition:
+    if depth > MAX_DEPTH:
+        raise InvalidInput(f"filters are nested too deeply ({MAX_DEPTH} levels of AND, OR and NOT at most)", field=path)
     if not isinstance(raw, dict):
         raise InvalidInput(f"{path} must be an object", field=path)
     if not raw:
@@ -42,7 +47,7 @@ def parse_filters(raw: Any, path: str = "filters") -> Condition:
     for key, value in raw.items():
         where = f"{path}.{key}"
         if key in LOGICAL:
-            parts.append(_logical(LOGICAL[key], value, where))
+            parts.append(_logical(LOGICAL[key], value, where, depth + 1))
         elif key == "metadata" and isinstance(value, dict):
             parts.extend(_field(f"metadata.{k}", v, f"{where}.{k}") for k, v in value.items())
         else:
@@ -50,11 +55,11 @@ def parse_filters(raw: Any, path: str = "filters") -> Condition:
     return parts[0] if len(parts) == 1 else All(tuple(parts))
 
 
-def _logical(kind: str, value: Any, where: str) -> Condition:
+def _logical(kind: str, value: Any, where: str, depth: int) -> Condition:
     items = [value] if kind == "NOT" and isinstance(value, dict) else value
     if not isinstance(items, list) or not items:
         raise InvalidInput(f"{where} takes a non-empty list of conditions", field=where)
-    parsed = tuple(parse_filters(item, f"{where}[{i}]") for i, item in enumerate(items))
+    parsed = tuple(parse_filters(item, f"{where}[{i}]", depth) for i, item in enumerate(items))
     if kind == "AND":
         return All(parsed)
     if kind == "OR":

@@ -1,10 +1,13 @@
 """Many clients writing at once through two workers on one data directory (what `serve --workers 2`
-runs): random adds, batches, updates, deletes and scope deletes, then the invariants checked —
+runs): random adds (some expiring within a second or two), batches, updates, deletes and scope
+deletes, then the invariants checked —
 no request failed, both workers' indexes hold exactly what the database holds, every memory's
 history follows on from itself, and exact-text dedup held across requests and workers."""
 
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -40,9 +43,14 @@ def _client_run(workers, seed: int) -> tuple[set[str], list[tuple[str, int, str]
         for step in range(STEPS):
             c = rng.choice(clients)
             user = rng.choice(USERS)
-            op = rng.choices(["add", "batch", "update", "delete", "delete_scope", "search"], [30, 15, 20, 12, 3, 20])[0]
+            op = rng.choices(["add", "expiring", "batch", "update", "delete", "delete_scope", "search"],
+                             [25, 8, 15, 20, 12, 3, 20])[0]
             if op == "add":
                 response = c.post("/v1/memories", json={"text": _fact(rng, user), "user_id": user})
+            elif op == "expiring":  # gone within a second or two, by the expiry sweep
+                soon = datetime.now(timezone.utc) + timedelta(seconds=rng.uniform(0.2, 1.5))
+                response = c.post("/v1/memories", json={"text": _fact(rng, user), "user_id": user,
+                                                        "expires_at": soon.isoformat()})
             elif op == "batch":
                 items = [{"text": _fact(rng, user), "user_id": user} for _ in range(rng.randint(2, 4))]
                 response = c.post("/v1/memories/batch", json={"items": items})
@@ -50,6 +58,8 @@ def _client_run(workers, seed: int) -> tuple[set[str], list[tuple[str, int, str]
                 memory_id = rng.choice(sorted(seen))
                 if op == "update":  # texts no add makes, so exact-text dedup stays checkable
                     body = {"text": f"changed by client {seed} at step {step}", "metadata": {"by": seed}}
+                    if rng.random() < 0.3:  # kept for good, or set to expire soon
+                        body["expires_at"] = rng.choice([None, (datetime.now(timezone.utc) + timedelta(seconds=1)).isoformat()])
                     response = c.patch(f"/v1/memories/{memory_id}", json=body)
                 else:
                     response = c.delete(f"/v1/memories/{memory_id}")
@@ -61,7 +71,7 @@ def _client_run(workers, seed: int) -> tuple[set[str], list[tuple[str, int, str]
                 response = c.post("/v1/memories/search", json={"query": _fact(rng, user), "filters": {"user_id": user}})
             if response.status_code != 200:
                 unexpected.append((op, response.status_code, response.text))
-            elif op in ("add", "batch"):
+            elif op in ("add", "expiring", "batch"):
                 seen.update(r["id"] for r in response.json()["results"])
     finally:
         for c in clients:
@@ -75,6 +85,7 @@ def test_many_clients_writing_through_two_workers_leave_a_consistent_store(two_w
     assert [u for _, unexpected in runs for u in unexpected] == []
     ids = set().union(*(seen for seen, _ in runs))
     first, second = two_workers
+    time.sleep(3)  # every expiry has passed and the sweep (every 0.5 s in tests) has purged them
     with first.client() as c1, second.client() as c2:
         live = {}
         for user in USERS:
@@ -90,6 +101,7 @@ def test_many_clients_writing_through_two_workers_leave_a_consistent_store(two_w
                 assert {h["id"]: h["memory"] for h in hits["results"]} == memories
             live.update(memories)
         assert set(live) <= ids
+        purged = 0
         for memory_id in ids:
             history = c2.get(f"/v1/memories/{memory_id}/history").json()["results"]
             events = [e["event"] for e in history]
@@ -98,6 +110,8 @@ def test_many_clients_writing_through_two_workers_leave_a_consistent_store(two_w
                 assert after["old_memory"] == before["new_memory"]
             if memory_id in live:
                 assert events[-1] != "DELETE" and history[-1]["new_memory"] == live[memory_id]
-            else:
+            else:  # deleted by a client or purged by the sweep once it expired
                 assert events[-1] == "DELETE"
+                purged += history[-1]["actor"] == "system:expiry"
                 assert c1.get(f"/v1/memories/{memory_id}").status_code == 404
+        assert purged > 0  # the sweep took part

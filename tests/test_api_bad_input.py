@@ -496,8 +496,11 @@ def test_delete_by_scope_with_bad_query_is_422_and_deletes_nothing(client):
     memory = add(client)
     assert_error(client.delete("/v1/memories"), 422, "user_id", "invalid_input")
     for params, field in (({"user_id": "a b"}, "user_id"), ({"agent_id": "x/y"}, "agent_id"),
-                          ({"user_id": "u1", "run_id": "r" * 129}, "run_id")):
+                          ({"user_id": "u1", "run_id": "r" * 129}, "run_id"),
+                          ([("user_id", "u2"), ("user_id", "u1")], "user_id"),  # which one? neither
+                          ([("user_id", "u1"), ("run_id", "r1"), ("run_id", "r1")], "run_id")):
         assert_error(client.delete("/v1/memories", params=params), 422, field, "invalid_input")
+    assert_error(client.get("/v1/memories", params=[("agent_id", "a1"), ("agent_id", "a2")]), 422, "agent_id")
     assert_unchanged(client, memory)
 
 

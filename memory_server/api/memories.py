@@ -7,11 +7,12 @@ memory_server/api/direct.py answers them ahead of FastAPI with the same blocking
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query, Request
 
 from memory_server.api.deps import MemoriesDep, PrincipalDep
 from memory_server.api.responses import documented_errors
 from memory_server.auth import Principal
+from memory_server.errors import InvalidInput
 from memory_server.schemas import (
     SCOPE_ID_PATTERN, AddRequest, AddResponse, BatchAddRequest, DeleteResponse, HistoryResponse, MemoryOut,
     MemoryPage, SearchRequest, SearchResponse, UpdateRequest,
@@ -23,6 +24,16 @@ router = APIRouter(prefix="/v1/memories", tags=["vector memory"],
                    responses=documented_errors(400, 401, 403, 413, 422, 503))
 ONE_MEMORY = documented_errors(404)  # the routes of one memory by id
 ScopeQuery = Annotated[str | None, Query(pattern=SCOPE_ID_PATTERN)]
+
+
+def _each_parameter_once(request: Request) -> None:
+    """`?user_id=a&user_id=b` names two scopes: refused, rather than listing or deleting one of them."""
+    for name in request.query_params:
+        if len(request.query_params.getlist(name)) > 1:
+            raise InvalidInput(f"{name} is given more than once", field=name)
+
+
+ONCE = [Depends(_each_parameter_once)]
 
 
 def _add(memories: VectorMemory, principal: Principal, body: AddRequest) -> AddResponse:
@@ -56,7 +67,7 @@ async def search_memories(body: SearchRequest, principal: PrincipalDep, memories
 DIRECT = ((add_memory, _add), (add_memories, _add_batch), (search_memories, _search))
 
 
-@router.get("", response_model=MemoryPage)
+@router.get("", response_model=MemoryPage, dependencies=ONCE)
 async def list_memories(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
                         agent_id: ScopeQuery = None, run_id: ScopeQuery = None,
                         limit: Annotated[int, Query(ge=1, le=200)] = 100,
@@ -65,7 +76,7 @@ async def list_memories(principal: PrincipalDep, memories: MemoriesDep, user_id:
                            limit=limit, cursor=cursor)
 
 
-@router.delete("", response_model=DeleteResponse)
+@router.delete("", response_model=DeleteResponse, dependencies=ONCE)
 async def delete_scope(principal: PrincipalDep, memories: MemoriesDep, user_id: ScopeQuery = None,
                        agent_id: ScopeQuery = None, run_id: ScopeQuery = None) -> DeleteResponse:
     deleted = await in_thread(memories.delete_scope, principal, user_id=user_id, agent_id=agent_id,

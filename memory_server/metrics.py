@@ -22,3 +22,6 @@ class Metrics:
         self.index_position = Gauge("memory_server_index_applied_position",
                                     "Last change-log position applied to the vector index", registry=self.registry)
         self.index_points = Gauge("memory_server_index_points", "Points in the vector index", registry=self.registry)
+        self.index_left_out = Gauge("memory_server_index_left_out",
+                                    "Memories this process found the vector index cannot hold, left out of it "
+                                    "(and of search); the log names them", registry=self.registry)

@@ -85,6 +85,7 @@ def test_metrics_count_requests_and_their_stages_for_admins_only(server):
     assert stages["queue"] == stages["embed"] == stages["index"] == stages["db"] == stages["respond"] == 2
     assert "app" not in stages  # the whole request is memory_server_http_request_seconds
     assert "memory_server_index_points" in text
+    assert "memory_server_index_left_out 0.0" in text
 
 
 def test_the_server_timing_header_can_be_turned_off_and_the_stages_are_still_counted(tmp_path, embedder):

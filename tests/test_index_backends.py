@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from conftest import make_settings
+from memory_server.models import ChangeLogEntry, MemoryRecord
 from memory_server.runtime import Runtime
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 from memory_server.storage.vectors import IndexPoint, IndexQuery, SparseVector
@@ -275,3 +276,43 @@ def test_two_indexes_of_the_same_memories_rank_equal_bm25_scores_alike(backend, 
     finally:
         first.close()
         second.close()
+
+
+def test_contract_refused_names_the_points_a_write_would_fail_on_without_writing(backend_runtime):
+    index = backend_runtime.index
+    vector = [1.0] + [0.0] * (index.dimension - 1)
+
+    def point(n, metadata):
+        return IndexPoint(f"7d9f1c8e-0000-4000-8000-00000000000{n}", vector, SparseVector([11], [1.0]),
+                          {"tenant": "tA", "user_id": "u", "agent_id": "", "run_id": "", "metadata": metadata})
+
+    good, surrogate = point(1, {"k": "v"}), point(2, {"k": "\ud800"})
+    assert index.refused([good, surrogate]) == [surrogate.id]
+    assert index.refused([]) == []
+    assert index.info().points == 0  # nothing written
+
+
+def test_a_memory_the_index_cannot_hold_is_left_out_and_every_later_change_still_applies(runtime, admin, caplog):
+    """A stored memory whose point no index takes (data no request may write any more: an older
+    version or a bug could have stored it) once stopped every later change from reaching the index.
+    Now it alone is left out, logged and counted, and it is indexed again once changed. (On Qdrant
+    Edge: qdrant-client's in-process stand-in keeps payloads as Python objects and takes it, where a
+    real server would be sent JSON; the contract test above covers that backend's `refused`.)"""
+    rt = runtime
+    search = SearchRequest(query="who keeps bees or hens?", filters={"user_id": "quinn"}, mode="dense")
+    [bees] = rt.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn")).results
+    with rt.engine.begin() as connection:  # its metadata as SQLite holds it: a lone surrogate
+        connection.exec_driver_sql(f"UPDATE {MemoryRecord.__tablename__} SET metadata = ? WHERE id = ?",
+                                   ('{"note": "\\ud800"}', bees.id))
+        connection.execute(ChangeLogEntry.__table__.insert(), [{"tenant_id": admin.tenant_id, "memory_id": bees.id,
+                                                                "op": "upsert", "created_at": datetime.now(timezone.utc)}])
+    with caplog.at_level("ERROR", logger="memory_server"):
+        [hens] = rt.memories.add(admin, AddRequest(text="Quinn keeps hens in the garden", user_id="quinn")).results
+    assert bees.id in caplog.text and "left out" in caplog.text
+    assert rt.sync.left_out == {bees.id}
+    assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]  # its old point went too
+    assert rt.sync.rebuild() == 2  # a rebuild from SQL leaves it out the same way
+    assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]
+    rt.memories.update(admin, bees.id, UpdateRequest(metadata={"note": "fixed"}))
+    assert rt.sync.left_out == set()
+    assert {h.id for h in rt.memories.search(admin, search)} == {bees.id, hens.id}

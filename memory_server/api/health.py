@@ -34,4 +34,5 @@ async def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep
     info = await in_thread(runtime.index.info)
     metrics.index_position.set(info.applied_position)
     metrics.index_points.set(info.points)
+    metrics.index_left_out.set(len(runtime.sync.left_out))
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

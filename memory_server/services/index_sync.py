@@ -1,5 +1,6 @@
 """Keeps a vector index in step with the SQL change log: ordered, idempotent, resumable."""
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from memory_server.services.filters import NEVER
 from memory_server.storage.db import driver_rows, placeholders, stored_json, stored_time
 from memory_server.storage.vectors import IndexPoint, VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
+
+log = logging.getLogger("memory_server")
 
 
 def payload_metadata(value):
@@ -94,6 +97,7 @@ class IndexSync:
         self.batch_size = batch_size
         self._lock = threading.Lock()
         self.applied_since_optimize = 0
+        self.left_out: set[str] = set()  # memories the index could not hold (see _apply)
 
     def head(self) -> int:
         # The driver's cursor on a plain connection: every search asks this first (storage/db.py).
@@ -118,11 +122,38 @@ class IndexSync:
                     if not entries:
                         return applied
                     points, deleted = self._changes(connection, [memory_id for _, memory_id in entries], prepared or {})
-                self.index.apply(points, deleted, entries[-1][0])
+                self._apply(points, deleted, entries[-1][0])
                 applied += len(entries)
                 self.applied_since_optimize += len(entries)
                 if len(entries) < self.batch_size:
                     return applied  # the query saw every entry committed before it ran
+
+    def _apply(self, points: list[IndexPoint], deleted: list[str], position: int | None) -> None:
+        """Write a run of entries. When the write fails because of points the index cannot hold
+        (their conversion fails on its own: data no request may write any more, from a bug or an
+        older version), those memories are left out of the index, and out of search, with an
+        error logged and counted, instead of every later change waiting behind them for good; any
+        other failure (the index down, full) is raised, and the run is tried again later."""
+        try:
+            self._write(points, deleted, position)
+        except Exception:
+            refused = set(self.index.refused(points))
+            if not refused:
+                raise
+            log.error("the vector index cannot hold memories %s: they stay in the database but are left out "
+                      "of the index (and of search) until they are changed or deleted", sorted(refused))
+            self.left_out.update(refused)
+            self._write([p for p in points if p.id not in refused], [*deleted, *sorted(refused)], position)
+            return
+        if self.left_out:  # changed or deleted since: held or deleted as any other memory
+            self.left_out.difference_update([p.id for p in points], deleted)
+
+    def _write(self, points: list[IndexPoint], deleted: list[str], position: int | None) -> None:
+        if position is None:  # a rebuild: it records its position once, at the end
+            self.index.upsert(points)
+            self.index.delete(deleted)
+        else:
+            self.index.apply(points, deleted, position)
 
     def _changes(self, connection: Connection, memory_ids: list[str],
                  prepared: dict[str, IndexPoint]) -> tuple[list[IndexPoint], list[str]]:
@@ -168,7 +199,7 @@ class IndexSync:
                         raise StartupError(
                             f"stored embeddings have {len(rows[0].embedding) // 4} dimensions, the configured model "
                             f"makes {self.index.dimension}; run `memory-server reindex --reembed`")
-                    self.index.upsert([point_for(row, self.sparse) for row in rows])
+                    self._apply([point_for(row, self.sparse) for row in rows], [], None)
                     done, last_id = done + len(rows), rows[-1].id
                     session.expunge_all()
                     if progress:

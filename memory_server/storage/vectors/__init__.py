@@ -76,6 +76,10 @@ class VectorIndex(Protocol):
         """Upsert `points`, delete `deleted`, then record `position`, as one write where the backend
         can (the change log's follower calls this for each run of entries)."""
 
+    def refused(self, points: list[IndexPoint]) -> list[str]:
+        """The ids of the points this index cannot hold, found by converting each one as a write
+        would, without writing anything (the change log's follower asks after a failed write)."""
+
     def reset(self) -> None:
         """Drop every point (reindex starts from here); position goes back to 0."""
 

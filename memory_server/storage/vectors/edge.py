@@ -203,10 +203,7 @@ class EdgeIndex:
     def _upsert(self, points: list[IndexPoint], *, position: int | None = None) -> None:
         """`points`, and the meta point recording `position` after them in the same update (one
         WAL entry: the position never lands without the points it covers)."""
-        edge_points = [
-            qe.Point(p.id, {"dense": p.dense, "bm25": qe.SparseVector(p.sparse.indices, p.sparse.values)}, p.payload)
-            for p in points
-        ]
+        edge_points = [_edge_point(p) for p in points]
         if position is not None:
             edge_points.append(self._meta_point(position))
         # The earliest expiry is lowered before the points become searchable, and under the lock a
@@ -220,6 +217,15 @@ class EdgeIndex:
     def delete(self, ids: list[str]) -> None:
         if ids:
             self._shard.update(qe.UpdateOperation.delete_points(list(ids)))
+
+    def refused(self, points: list[IndexPoint]) -> list[str]:
+        refused = []
+        for p in points:
+            try:
+                _edge_point(p)
+            except Exception:  # the binding's conversion: TypeError, ValueError, OverflowError
+                refused.append(p.id)
+        return refused
 
     def applied_position(self) -> int:
         return self._position
@@ -369,3 +375,7 @@ def _field(leaf: Field):
     if op == "substring":
         return qe.FieldCondition(key, match=qe.MatchSubstring(value))
     return qe.FieldCondition(key, range=qe.RangeFloat(**{op: value}))
+
+
+def _edge_point(p: IndexPoint) -> qe.Point:
+    return qe.Point(p.id, {"dense": p.dense, "bm25": qe.SparseVector(p.sparse.indices, p.sparse.values)}, p.payload)

@@ -1,5 +1,6 @@
 """A Qdrant server (or cluster) through qdrant-client, behind the same VectorIndex interface."""
 
+from pydantic_core import PydanticSerializationError
 from qdrant_client import QdrantClient, models
 
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
@@ -55,6 +56,15 @@ class QdrantServerIndex:
     def delete(self, ids: list[str]) -> None:
         if ids:
             self.client.delete(self.collection, models.PointIdsList(points=list(ids)), wait=True)
+
+    def refused(self, points: list[IndexPoint]) -> list[str]:
+        refused = []
+        for p in points:
+            try:  # the client's model, then the JSON a Qdrant server is sent, as the client makes it
+                _point(p).model_dump_json()
+            except (ValueError, TypeError, PydanticSerializationError):
+                refused.append(p.id)
+        return refused
 
     def applied_position(self) -> int:
         return self._position

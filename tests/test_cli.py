@@ -155,6 +155,33 @@ def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
         rt.close()
 
 
+def test_a_damaged_index_is_refused_with_the_way_out_and_reindex_rebuilds_it(tmp_path, embedder):
+    from conftest import make_settings
+    from memory_server.auth import Principal
+    from memory_server.errors import StartupError
+    from memory_server.runtime import Runtime
+    from memory_server.schemas import AddRequest, SearchRequest
+
+    settings = make_settings(tmp_path / "data")
+    admin = Principal("t", "k", "admin")
+    rt = Runtime.open(settings, embedder=embedder)
+    rt.memories.add_batch(admin, [AddRequest(text=t, user_id="u") for t in ("Uma sails", "Uma paints murals")])
+    rt.close()
+    for path in (settings.data_dir / "index").rglob("*"):  # every file cut short, as by a full disk
+        if path.is_file() and path.stat().st_size:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(StartupError, match=r"cannot be read .*derived from the database: `memory-server reindex`"):
+        Runtime.open(settings, embedder=embedder)
+    result = run_cli("reindex", data_dir=settings.data_dir)
+    assert "reindexed 2 memories" in result.stderr + result.stdout
+    rt = Runtime.open(settings, embedder=embedder)
+    try:
+        hits = rt.memories.search(admin, SearchRequest(query="murals", filters={"user_id": "u"}, mode="keyword"))
+        assert [h.memory for h in hits] == ["Uma paints murals"]
+    finally:
+        rt.close()
+
+
 def test_key_revoked_outside_the_server_is_refused_within_the_cache_ttl(tmp_path, embedder):
     from sqlmodel import Session
 

@@ -141,7 +141,11 @@ class EdgeIndex:
             try:
                 shard = qe.EdgeShard.load(str(self.path), self._config())
             except Exception as exc:  # incompatible: say why (another model?) before anything else
-                shard = qe.EdgeShard.load(str(self.path))
+                try:
+                    shard = qe.EdgeShard.load(str(self.path))
+                except Exception as damage:  # its files: cut short by a full disk, edited, half-copied
+                    raise StartupError(f"vector index at {self.path} cannot be read ({damage}); it is derived from "
+                                       "the database: `memory-server reindex` rebuilds it") from None
                 refusal = StartupError(f"vector index at {self.path} does not fit the current settings ({exc}); "
                                        "run `memory-server reindex`")
             else:

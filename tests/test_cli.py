@@ -1,6 +1,7 @@
 """The memory-server command, run as a user would: serve, keys, reindex."""
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -11,6 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from conftest import make_settings
+from memory_server.auth import Principal
+from memory_server.errors import StartupError
+from memory_server.runtime import Runtime
+from memory_server.schemas import AddRequest, SearchRequest
 
 CLI = [sys.executable, "-m", "memory_server"]
 
@@ -128,64 +135,54 @@ def test_keys_create_rejects_bad_role_and_tenant(tmp_path):
     assert run_cli("keys", "revoke", "key_missing", data_dir=tmp_path, check=False).returncode != 0
 
 
-def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
-    from conftest import make_settings
-    from memory_server.auth import Principal
-    from memory_server.runtime import Runtime
-    from memory_server.schemas import AddRequest, SearchRequest
+UMA = Principal("t", "k", "admin")
 
-    settings = make_settings(tmp_path / "data")
-    admin = Principal("t", "k", "admin")
+
+def _two_memories(settings, embedder, *, other_process: bool = False) -> None:
+    """Uma's two memories stored; with `other_process`, a second server process's index (index-1) too."""
     rt = Runtime.open(settings, embedder=embedder)
-    other = Runtime.open(settings, embedder=embedder)  # a second server process's index: index-1
-    rt.memories.add_batch(admin, [AddRequest(text=t, user_id="u") for t in ("Uma sails", "Uma paints murals")])
-    other.close()
+    other = Runtime.open(settings, embedder=embedder) if other_process else None
+    rt.memories.add_batch(UMA, [AddRequest(text=t, user_id="u") for t in ("Uma sails", "Uma paints murals")])
+    if other:
+        other.close()
     rt.close()
-    import shutil
 
-    shutil.rmtree(settings.data_dir / "index")  # lose the index entirely
+
+def _assert_reindexed(settings, embedder) -> subprocess.CompletedProcess:
     result = run_cli("reindex", data_dir=settings.data_dir)
     assert "reindexed 2 memories" in result.stderr + result.stdout
-    assert "removed index-1" in result.stderr + result.stdout and not (settings.data_dir / "index-1").exists()
     rt = Runtime.open(settings, embedder=embedder)
     try:
-        hits = rt.memories.search(admin, SearchRequest(query="murals", filters={"user_id": "u"}, mode="keyword"))
+        hits = rt.memories.search(UMA, SearchRequest(query="murals", filters={"user_id": "u"}, mode="keyword"))
         assert [h.memory for h in hits] == ["Uma paints murals"]
     finally:
         rt.close()
+    return result
+
+
+def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
+    settings = make_settings(tmp_path / "data")
+    _two_memories(settings, embedder, other_process=True)
+    shutil.rmtree(settings.data_dir / "index")  # lose the index entirely
+    result = _assert_reindexed(settings, embedder)
+    assert "removed index-1" in result.stderr + result.stdout and not (settings.data_dir / "index-1").exists()
 
 
 def test_a_damaged_index_is_refused_with_the_way_out_and_reindex_rebuilds_it(tmp_path, embedder):
-    from conftest import make_settings
-    from memory_server.auth import Principal
-    from memory_server.errors import StartupError
-    from memory_server.runtime import Runtime
-    from memory_server.schemas import AddRequest, SearchRequest
-
     settings = make_settings(tmp_path / "data")
-    admin = Principal("t", "k", "admin")
-    rt = Runtime.open(settings, embedder=embedder)
-    rt.memories.add_batch(admin, [AddRequest(text=t, user_id="u") for t in ("Uma sails", "Uma paints murals")])
-    rt.close()
+    _two_memories(settings, embedder)
     for path in (settings.data_dir / "index").rglob("*"):  # every file cut short, as by a full disk
         if path.is_file() and path.stat().st_size:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(StartupError, match=r"cannot be read .*derived from the database: `memory-server reindex`"):
         Runtime.open(settings, embedder=embedder)
-    result = run_cli("reindex", data_dir=settings.data_dir)
-    assert "reindexed 2 memories" in result.stderr + result.stdout
-    rt = Runtime.open(settings, embedder=embedder)
-    try:
-        hits = rt.memories.search(admin, SearchRequest(query="murals", filters={"user_id": "u"}, mode="keyword"))
-        assert [h.memory for h in hits] == ["Uma paints murals"]
-    finally:
-        rt.close()
+    _assert_reindexed(settings, embedder)
 
 
 def test_key_revoked_outside_the_server_is_refused_within_the_cache_ttl(tmp_path, embedder):
     from sqlmodel import Session
 
-    from conftest import make_settings, start_server
+    from conftest import start_server
     from memory_server.auth import create_key, revoke_key
 
     live, stop = start_server(make_settings(tmp_path / "data", key_cache_seconds=0.5), embedder)
@@ -378,8 +375,6 @@ def test_serve_with_workers_prepares_the_model_once_before_starting_them(tmp_pat
     # A worker busy making the model files misses uvicorn's liveness pings and is restarted
     # mid-request; `serve --workers N` makes them first. The fp32 export is copied from the test
     # cache (exporting takes torch ~20 s); the int8 copy has to be made here.
-    import shutil
-
     from conftest import MODEL_DIR
 
     models = tmp_path / "models"

@@ -17,7 +17,8 @@ from memory_server import __version__
 from memory_server.api import health, keys, memories
 from memory_server.api.direct import DirectRoutes, direct_routes
 from memory_server.api.responses import (
-    domain_error_response, error_response, internal_error_response, validation_error_response,
+    DATABASE_UNAVAILABLE, database_unavailable_response, domain_error_response, error_response,
+    internal_error_response, validation_error_response,
 )
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
@@ -118,6 +119,9 @@ def _install_error_handlers(app: FastAPI) -> None:
             headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request.scope))}
         return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail),
                               headers=headers)
+
+    for kind in DATABASE_UNAVAILABLE:
+        app.add_exception_handler(kind, lambda _, exc: database_unavailable_response(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -50,7 +50,7 @@ def test_error_answers_are_documented_with_the_error_json(tmp_path):
             if "{memory_id}" in path or "{key_id}" in path:
                 assert "404" in operation["responses"], (method, path)
             if path.startswith("/v1/") or path == "/metrics":
-                assert {"401", "403", "422"} <= set(operation["responses"]), (method, path)
+                assert {"401", "403", "422", "503"} <= set(operation["responses"]), (method, path)  # 503: database down
                 assert operation["security"] == [{"APIKey": []}], (method, path)
     assert list(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert set(document["paths"]["/readyz"]["get"]["responses"]) == {"200", "503"}

@@ -27,7 +27,10 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from memory_server.api.deps import principal_for
-from memory_server.api.responses import domain_error_response, internal_error_response, validation_error_response
+from memory_server.api.responses import (
+    DATABASE_UNAVAILABLE, database_unavailable_response, domain_error_response, internal_error_response,
+    validation_error_response,
+)
 from memory_server.errors import BadRequest, MemoryServerError
 from memory_server.timing import in_thread
 
@@ -82,6 +85,8 @@ class DirectRoutes:
             return domain_error_response(exc)
         except ValidationError as exc:
             return validation_error_response(exc.errors(include_url=False))
+        except DATABASE_UNAVAILABLE as exc:
+            return database_unavailable_response(exc)
         except Exception:
             log.exception("unhandled error")
             return internal_error_response()

@@ -27,7 +27,7 @@ async def readyz(runtime: RuntimeDep) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response, responses={
     200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text format"},
-    **documented_errors(401, 403, 422)})
+    **documented_errors(401, 403, 422, 503)})
 async def metrics(request: Request, runtime: RuntimeDep, principal: PrincipalDep) -> Response:
     principal.require_admin()
     metrics = request.app.state.metrics

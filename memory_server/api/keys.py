@@ -10,7 +10,7 @@ from memory_server.runtime import Runtime
 from memory_server.schemas import KeyCreate, KeyCreated, KeyList, KeyPublic
 from memory_server.timing import in_thread
 
-router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], responses=documented_errors(400, 401, 403, 413, 422))
+router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], responses=documented_errors(400, 401, 403, 413, 422, 503))
 
 
 @router.post("", response_model=KeyCreated, status_code=201)

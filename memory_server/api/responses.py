@@ -1,10 +1,13 @@
 """The error JSON of API.md as responses, shared by FastAPI's exception handlers and the direct routes."""
 
 import json
+import logging
 
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from memory_server.errors import MemoryServerError
+from memory_server.errors import MemoryServerError, Unavailable
 from memory_server.schemas import ErrorResponse
 
 _MEANINGS = {
@@ -14,7 +17,8 @@ _MEANINGS = {
     404: "no such thing in the key's tenant (and scope)",
     413: "the body is over the size limit",
     422: "a field is invalid; `field` names it",
-    503: "a backend is not ready; the change, if any, is saved and applied once it recovers",
+    503: "the database is unavailable (the request was not completed), or a change was saved but the vector "
+         "index could not apply it yet (it is, once the index recovers)",
 }
 
 
@@ -52,6 +56,20 @@ def validation_error_response(errors: list) -> JSONResponse:
         return error_response(422, "invalid_input", "request body is required", None)
     message = first.get("msg", "invalid input")
     return error_response(422, "invalid_input", f"{field}: {message}" if field else message, field)
+
+
+log = logging.getLogger("memory_server")
+
+# The database did not answer: down, restarting, refusing connections, every pooled connection
+# busy for the pool's timeout, or SQLite's lock held past its busy timeout. A request that meets
+# one is not completed (its transaction is rolled back, or, if the connection broke while it
+# committed, may have been committed: a retried add then finds its memory as an exact duplicate).
+DATABASE_UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
+
+
+def database_unavailable_response(exc: Exception) -> JSONResponse:
+    log.warning("database unavailable: %s", str(exc).splitlines()[0])
+    return domain_error_response(Unavailable("the database is unavailable; the request was not completed, retry later"))
 
 
 def internal_error_response() -> JSONResponse:

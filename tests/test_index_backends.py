@@ -292,13 +292,22 @@ def test_contract_refused_names_the_points_a_write_would_fail_on_without_writing
     assert index.info().points == 0  # nothing written
 
 
-def test_a_memory_the_index_cannot_hold_is_left_out_and_every_later_change_still_applies(runtime, admin, caplog):
+def test_a_memory_the_index_cannot_hold_is_left_out_and_every_later_change_still_applies(tmp_path, embedder, admin,
+                                                                                           caplog):
     """A stored memory whose point no index takes (data no request may write any more: an older
     version or a bug could have stored it) once stopped every later change from reaching the index.
     Now it alone is left out, logged and counted, and it is indexed again once changed. (On Qdrant
     Edge: qdrant-client's in-process stand-in keeps payloads as Python objects and takes it, where a
-    real server would be sent JSON; the contract test above covers that backend's `refused`.)"""
-    rt = runtime
+    real server would be sent JSON; the contract test above covers that backend's `refused`. On
+    SQLite: PostgreSQL's jsonb refuses to store a lone surrogate at all.)"""
+    rt = Runtime.open(make_settings(tmp_path / "data"), embedder=embedder)
+    try:
+        _left_out_and_back(rt, admin, caplog)
+    finally:
+        rt.close()
+
+
+def _left_out_and_back(rt, admin, caplog):
     search = SearchRequest(query="who keeps bees or hens?", filters={"user_id": "quinn"}, mode="dense")
     [bees] = rt.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn")).results
     with rt.engine.begin() as connection:  # its metadata as SQLite holds it: a lone surrogate

@@ -426,8 +426,8 @@ class VectorMemory:
         # the model; the row is read again under the lock (another request may have changed it).
         with Session(self.engine) as session:
             seen = self._load(session, principal, memory_id)
-            vector = (self.embedder.embed([embedding_input(text, seen.context)])[0]
-                      if text is not None and text != seen.text else None)
+        vector = (self.embedder.embed([embedding_input(text, seen.context)])[0]
+                  if text is not None and text != seen.text else None)
         with Session(self.engine) as session:
             row = self._locked(session, principal, memory_id)
             old_text = row.text

@@ -17,7 +17,7 @@ from memory_server.errors import StartupError
 from memory_server.models import ApiKey
 from memory_server.services.index_sync import IndexSync
 from memory_server.services.vector_memory import VectorMemory
-from memory_server.storage.db import create_schema, make_engine, ping, warm_sqlite_file
+from memory_server.storage.db import begin_write, create_schema, make_engine, ping, warm_sqlite_file
 from memory_server.storage.vectors import VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
 from memory_server.timing import name_os_thread
@@ -51,8 +51,10 @@ def open_database(settings: Settings) -> Engine:
 
 
 def ensure_bootstrap_key(engine: Engine, data_dir: Path) -> Path | None:
-    """On an empty key table, create an admin key and write it to a 0600 file (never to the log)."""
+    """On an empty key table, create an admin key and write it to a 0600 file (never to the log).
+    Checked under the database's write lock: replicas starting at once on a new database make one."""
     with Session(engine) as session:
+        begin_write(session.connection())
         if session.exec(select(ApiKey.id).limit(1)).first() is not None:
             return None
         _, plaintext = create_key(session, tenant_id=BOOTSTRAP_TENANT, role="admin", label="bootstrap")

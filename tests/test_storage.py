@@ -17,6 +17,7 @@ from sqlalchemy import event
 from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
+from memory_server.auth import list_keys
 from memory_server.errors import NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
@@ -730,6 +731,18 @@ def test_an_update_answers_with_what_it_wrote_when_the_memory_is_deleted_right_a
     assert (answer.id, answer.memory) == (added.id, "Quinn keeps bees and hens on the roof")
     assert [(h.event, h.new_memory) for h in runtime.memories.history(admin, added.id)] == [
         ("ADD", "Quinn keeps bees on the roof"), ("UPDATE", "Quinn keeps bees and hens on the roof"), ("DELETE", None)]
+
+
+def test_servers_starting_at_once_on_a_new_database_make_one_bootstrap_key(runtime, tmp_path):
+    """Replicas (or workers) starting together on an empty database: one admin key, in one file."""
+    replicas = [tmp_path / f"replica-{n}" for n in range(6)]
+    for directory in replicas:
+        directory.mkdir()
+    with ThreadPoolExecutor(len(replicas)) as pool:
+        made = list(pool.map(lambda directory: ensure_bootstrap_key(runtime.engine, directory), replicas))
+    assert sum(path is not None for path in made) == 1
+    with Session(runtime.engine) as session:
+        assert [key.role for key in list_keys(session)] == ["admin"]
 
 
 def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others_writes(settings, embedder, admin):

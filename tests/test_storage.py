@@ -2,6 +2,7 @@
 
 import os
 import sqlite3
+import threading
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import sqlalchemy
 from sqlalchemy import event
 from sqlmodel import Session, select
 
@@ -22,6 +24,7 @@ from memory_server.errors import NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
+from memory_server.storage.db import create_schema, make_engine
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
 FACTS = [
@@ -733,6 +736,27 @@ def test_an_update_answers_with_what_it_wrote_when_the_memory_is_deleted_right_a
         ("ADD", "Quinn keeps bees on the roof"), ("UPDATE", "Quinn keeps bees and hens on the roof"), ("DELETE", None)]
 
 
+def test_processes_starting_at_once_on_a_new_database_create_its_schema_together(database_url, tmp_path):
+    """Replicas started together on an empty database all come up (on PostgreSQL all but one used
+    to fail: each created the tables the others were creating)."""
+    url = database_url or f"sqlite:///{tmp_path / 'memory.db'}"
+    engines = [make_engine(url) for _ in range(4)]
+    together = threading.Barrier(len(engines))
+
+    def start(engine):
+        together.wait()
+        create_schema(engine)
+
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(start, engines))  # raises what any of them raised
+        tables = set(sqlalchemy.inspect(engines[0]).get_table_names())
+        assert {MemoryRecord.__tablename__, ChangeLogEntry.__tablename__} <= tables
+    finally:
+        for engine in engines:
+            engine.dispose()
+
+
 def test_servers_starting_at_once_on_a_new_database_make_one_bootstrap_key(runtime, tmp_path):
     """Replicas (or workers) starting together on an empty database: one admin key, in one file."""
     replicas = [tmp_path / f"replica-{n}" for n in range(6)]
@@ -801,7 +825,7 @@ def test_schema_check_adds_new_indexes_and_drops_superseded_ones(settings):
     from sqlalchemy import inspect, text
 
     from memory_server.runtime import open_database
-    from memory_server.storage.db import SUPERSEDED_INDEXES, create_schema
+    from memory_server.storage.db import SUPERSEDED_INDEXES
 
     engine = open_database(settings)
     try:

@@ -78,11 +78,15 @@ SUPERSEDED_INDEXES = ("ix_memories_hash",)
 def create_schema(engine: Engine) -> None:
     """Create missing tables, and missing indexes of existing tables (so that an index added in a
     later version reaches databases made before it); drop superseded indexes. Safe to run from
-    several processes at once."""
-    SQLModel.metadata.create_all(engine)
-    inspector = inspect(engine)
-    existing = {name for table in inspector.get_table_names() for name in (i["name"] for i in inspector.get_indexes(table))}
+    several processes at once: it all runs in one transaction that holds the write lock first
+    (replicas starting together on a new PostgreSQL database otherwise raced to create the same
+    tables, and all but one failed to start)."""
     with engine.begin() as connection:
+        begin_write(connection)
+        SQLModel.metadata.create_all(connection)
+        inspector = inspect(connection)
+        existing = {name for table in inspector.get_table_names()
+                    for name in (i["name"] for i in inspector.get_indexes(table))}
         for table in SQLModel.metadata.sorted_tables:
             for index in table.indexes:
                 if index.name not in existing:

@@ -325,3 +325,43 @@ def _left_out_and_back(rt, admin, caplog):
     rt.memories.update(admin, bees.id, UpdateRequest(metadata={"note": "fixed"}))
     assert rt.sync.left_out == set()
     assert {h.id for h in rt.memories.search(admin, search)} == {bees.id, hens.id}
+
+
+def test_replicas_opening_a_new_qdrant_collection_at_once_all_start(embedder):
+    """Replicas started together on a Qdrant server with no collection yet: one creates it, the
+    others open it as it made it (they raced to create it, and the losers failed to start or met
+    a collection without its meta point)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qdrant_client import QdrantClient
+
+    together, asked = threading.Barrier(4), threading.local()
+
+    class Server(QdrantClient):
+        """The in-process stand-in, with the one interleaving that matters made certain: every
+        replica asks whether the collection exists before any of them creates it."""
+
+        def collection_exists(self, name):
+            exists = super().collection_exists(name)
+            if not getattr(asked, "before", False):
+                asked.before = True
+                together.wait()
+            return exists
+
+    client = Server(":memory:")  # one server that every replica talks to
+
+    def start(_):
+        return QdrantServerIndex(client, "memories", embedder.dimension, embedder.name)
+
+    with ThreadPoolExecutor(4) as pool:
+        indexes = list(pool.map(start, range(4)))
+    assert [index.applied_position() for index in indexes] == [0, 0, 0, 0]
+    assert not any(index.outdated for index in indexes)
+    point = IndexPoint("7d9f1c8e-0000-4000-8000-000000000009", [1.0] + [0.0] * (embedder.dimension - 1),
+                       SparseVector([11], [1.0]), {"tenant": "tA", "user_id": "u", "agent_id": "", "run_id": "",
+                                                   "metadata": {}})
+    indexes[0].apply([point], [], 1)
+    query = IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "tA"),)), limit=5, dense=point.dense)
+    assert [[hit.id for hit in index.search(query)] for index in indexes] == [[point.id]] * 4
+

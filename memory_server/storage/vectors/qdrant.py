@@ -1,11 +1,15 @@
 """A Qdrant server (or cluster) through qdrant-client, behind the same VectorIndex interface."""
 
+import time
+
 from pydantic_core import PydanticSerializationError
 from qdrant_client import QdrantClient, models
 
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
 from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, PAYLOAD_LAYOUT, check_model
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
+
+CREATION_WAIT_SECONDS = 10.0  # how long a replica waits for a collection another one is creating
 
 
 class QdrantServerIndex:
@@ -20,18 +24,27 @@ class QdrantServerIndex:
         self._open()
 
     def _open(self) -> None:
-        if self.client.collection_exists(self.collection):
-            meta = self.client.retrieve(self.collection, [META_ID], with_payload=True)
-            payload = meta[0].payload if meta else {}
-            check_model(payload, self.dimension, self.model, f"Qdrant collection '{self.collection}'")
-            self._position = int(payload.get("position", 0))
-            self.outdated = int(payload.get("layout", 1)) < PAYLOAD_LAYOUT
-            return
-        self.client.create_collection(
-            self.collection,
-            vectors_config={"dense": models.VectorParams(size=self.dimension, distance=models.Distance.COSINE)},
-            sparse_vectors_config={"bm25": models.SparseVectorParams(modifier=models.Modifier.IDF)},
-        )
+        if not self.client.collection_exists(self.collection):
+            try:
+                self.client.create_collection(
+                    self.collection,
+                    vectors_config={"dense": models.VectorParams(size=self.dimension, distance=models.Distance.COSINE)},
+                    sparse_vectors_config={"bm25": models.SparseVectorParams(modifier=models.Modifier.IDF)},
+                )
+            except Exception:
+                if not self.client.collection_exists(self.collection):
+                    raise
+                # Another replica created it at the same moment: open it as that one makes it.
+            else:
+                self._prepare_new()
+                return
+        payload = self._meta_payload()
+        check_model(payload, self.dimension, self.model, f"Qdrant collection '{self.collection}'")
+        self._position = int(payload.get("position", 0))
+        self.outdated = int(payload.get("layout", 1)) < PAYLOAD_LAYOUT
+
+    def _prepare_new(self) -> None:
+        """The payload indexes of a collection just created, then its meta point."""
         self.outdated = False
         self.client.create_payload_index(
             self.collection, "tenant", models.KeywordIndexParams(type=models.KeywordIndexType.KEYWORD, is_tenant=True)
@@ -41,6 +54,16 @@ class QdrantServerIndex:
         for name in FLOAT_FIELDS:
             self.client.create_payload_index(self.collection, name, models.PayloadSchemaType.FLOAT)
         self.set_applied_position(0)
+
+    def _meta_payload(self) -> dict:
+        """The collection's meta point; one that another replica is still creating gets it within
+        moments (its payload indexes come first)."""
+        deadline = time.monotonic() + CREATION_WAIT_SECONDS
+        while True:
+            meta = self.client.retrieve(self.collection, [META_ID], with_payload=True)
+            if meta or time.monotonic() > deadline:
+                return meta[0].payload if meta else {}
+            time.sleep(0.1)
 
     def close(self) -> None:
         self.client.close()

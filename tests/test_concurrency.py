@@ -1,8 +1,9 @@
 """Many clients writing at once through two workers on one data directory (what `serve --workers 2`
 runs): random adds (some expiring within a second or two), batches, updates, deletes and scope
-deletes, then the invariants checked —
-no request failed, both workers' indexes hold exactly what the database holds, every memory's
-history follows on from itself, and exact-text dedup held across requests and workers."""
+deletes, and each client's own writes read back at once through the other worker; then the
+invariants checked — no request failed, both workers' indexes hold exactly what the database
+holds, every memory's history follows on from itself, and exact-text dedup held across requests
+and workers."""
 
 import random
 import time
@@ -41,11 +42,25 @@ def _client_run(workers, seed: int) -> tuple[set[str], list[tuple[str, int, str]
     clients = [w.client() for w in workers]
     try:
         for step in range(STEPS):
-            c = rng.choice(clients)
+            here = rng.randrange(len(clients))
+            c = clients[here]
             user = rng.choice(USERS)
-            op = rng.choices(["add", "expiring", "batch", "update", "delete", "delete_scope", "search"],
-                             [25, 8, 15, 20, 12, 3, 20])[0]
-            if op == "add":
+            op = rng.choices(["add", "expiring", "batch", "update", "delete", "delete_scope", "search", "own"],
+                             [25, 8, 15, 20, 12, 3, 20, 6])[0]
+            if op == "own":  # read your writes across workers, while both are busy with the others
+                text = f"client {seed} noted zebra{step}x{seed}"
+                response = c.post("/v1/memories", json={"text": text, "user_id": f"own-{seed}"})
+                if response.status_code == 200:
+                    other = clients[1 - here]
+                    memory_id = response.json()["results"][0]["id"]
+                    hits = other.post("/v1/memories/search", json={"query": f"zebra{step}x{seed}", "mode": "keyword",
+                                                                   "filters": {"user_id": f"own-{seed}"}}).json()
+                    if [h["id"] for h in hits.get("results", [])] != [memory_id]:
+                        unexpected.append(("own: the other worker's search", 200, str(hits)))
+                    if other.get(f"/v1/memories/{memory_id}").status_code != 200:
+                        unexpected.append(("own: the other worker's get", 200, memory_id))
+                    continue
+            elif op == "add":
                 response = c.post("/v1/memories", json={"text": _fact(rng, user), "user_id": user})
             elif op == "expiring":  # gone within a second or two, by the expiry sweep
                 soon = datetime.now(timezone.utc) + timedelta(seconds=rng.uniform(0.2, 1.5))

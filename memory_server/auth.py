@@ -106,12 +106,14 @@ def _principal(row: ApiKey) -> Principal:
 def create_key(session: Session, *, tenant_id: str, role: str, user_ids: list[str] | None = None,
                agent_ids: list[str] | None = None, label: str | None = None) -> tuple[ApiKey, str]:
     """Returns the stored row and the plaintext key (the only time it exists)."""
-    from memory_server.schemas import validate_scope_id
+    from memory_server.schemas import MAX_KEY_IDS, validate_scope_id
 
     if role not in ROLES:
         raise InvalidInput(f"role must be one of {', '.join(ROLES)}", field="role")
     validate_scope_id(tenant_id, "tenant")
     for kind, values in (("user_ids", user_ids or []), ("agent_ids", agent_ids or [])):
+        if len(set(values)) > MAX_KEY_IDS:
+            raise InvalidInput(f"a key may be restricted to at most {MAX_KEY_IDS} {kind}", field=kind)
         for value in values:
             validate_scope_id(value, kind)
     key_id = "key_" + secrets.token_hex(8)

@@ -194,10 +194,15 @@ class HistoryResponse(BaseModel):
     results: list[HistoryEntry]
 
 
+# The ids a key may be restricted to: they go into SQL as one parameter each (PostgreSQL takes at
+# most 65,535 a statement), and into every search's filter.
+MAX_KEY_IDS = 1000
+
+
 class KeyCreate(_Strict):
     role: Literal["admin", "agent"]
-    user_ids: list[ScopeId] = Field(default_factory=list)
-    agent_ids: list[ScopeId] = Field(default_factory=list)
+    user_ids: list[ScopeId] = Field(default_factory=list, max_length=MAX_KEY_IDS)
+    agent_ids: list[ScopeId] = Field(default_factory=list, max_length=MAX_KEY_IDS)
     label: Annotated[str, StringConstraints(max_length=200)] | None = None
 
 

@@ -140,6 +140,23 @@ def test_agent_key_on_admin_keys_api_is_403(server, client):
         assert_error(agent.delete(f"/v1/admin/keys/{own_id}"), 403, code="forbidden")
 
 
+def test_a_key_restricted_to_more_than_1000_ids_is_422_and_1000_work(server, client):
+    """Each restricted id is one SQL parameter of a listing or a scope delete: 70,000 of them made
+    every listing with that key fail on PostgreSQL (65,535 parameters at most)."""
+    keys_before = client.get("/v1/admin/keys").json()["results"]
+    for field in ("user_ids", "agent_ids"):
+        response = client.post("/v1/admin/keys", json={"role": "agent", field: [f"id{n}" for n in range(1001)]})
+        assert_error(response, 422, field, "invalid_input")
+    assert client.get("/v1/admin/keys").json()["results"] == keys_before
+    key = server.create_key(user_ids=[f"u{n}" for n in range(1000)])
+    with server.client(key) as restricted:
+        expect_status(restricted.post("/v1/memories", json=add_body(user_id="u999")), 200)
+        assert [m["user_id"] for m in expect_status(restricted.get("/v1/memories"), 200).json()["results"]] == ["u999"]
+        found = restricted.post("/v1/memories/search", json={"query": "green tea", "mode": "keyword"})
+        assert [m["user_id"] for m in expect_status(found, 200).json()["results"]] == ["u999"]
+        assert expect_status(restricted.delete("/v1/memories", params={"user_id": "u999"}), 200).json() == {"deleted": 1}
+
+
 # -- sizes -----------------------------------------------------------------------------------------
 def test_body_over_one_mib_with_content_length_is_413(client):
     body = json.dumps(add_body(text="a" * MAX_BODY)).encode()

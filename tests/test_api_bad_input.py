@@ -347,6 +347,26 @@ def test_deeply_nested_bodies_are_4xx_and_store_nothing(client, subtests):
     assert_unchanged(client, before)
 
 
+def test_filters_with_too_many_terms_are_422_and_a_1000_id_list_works(client, subtests):
+    memory = add(client, user_id="u1", metadata={"n": 7})
+    ids = [f"u{i}" for i in range(2, 1001)] + ["u1"]
+    found = client.post("/v1/memories/search", json=search_body(filters={"user_id": {"in": ids}}))
+    assert [hit["id"] for hit in expect_status(found, 200).json()["results"]] == [memory["id"]]
+    numbers = list(range(100_000))  # ~600 KB: seconds of CPU before the cap
+    too_many = {
+        "one long in list": {"user_id": "u1", "metadata.n": {"in": numbers}},
+        "many conditions": {"user_id": "u1", "OR": [{"metadata.n": n} for n in range(3000)]},
+        "spread over levels": {"user_id": "u1", "AND": [{"OR": [{"metadata.n": {"nin": list(range(100))}}] * 8}] * 3},
+    }
+    for name, filters in too_many.items():
+        with subtests.test(name):
+            started = time.perf_counter()
+            response = client.post("/v1/memories/search", json=search_body(filters=filters))
+            assert_error(response, 422, "filters", "invalid_input")
+            assert "too many terms" in response.json()["error"]["message"]
+            assert time.perf_counter() - started < 5  # refused before the work (not a timing target)
+
+
 # -- batch -----------------------------------------------------------------------------------------
 def test_batch_over_1000_items_is_422_and_stores_nothing(client):
     items = [add_body(text=f"note number {i}") for i in range(1001)]

@@ -34,9 +34,15 @@ def to_epoch(value: Any, field: str) -> float:
 
 
 MAX_DEPTH = 32  # levels of AND / OR / NOT
+# Keys and list items in one filter, all levels together: a 1,000-id `in` list fits, and a filter
+# can no longer make a search cost seconds of CPU (a 1 MiB body held ~140,000 values).
+MAX_TERMS = 2000
 
 
 def parse_filters(raw: Any, path: str = "filters", depth: int = 0) -> Condition:
+    if depth == 0 and _terms(raw) > MAX_TERMS:
+        raise InvalidInput(f"filters hold too many terms ({MAX_TERMS} keys and list items at most, all levels "
+                           "together)", field=path)
     if depth > MAX_DEPTH:
         raise InvalidInput(f"filters are nested too deeply ({MAX_DEPTH} levels of AND, OR and NOT at most)", field=path)
     if not isinstance(raw, dict):
@@ -53,6 +59,20 @@ def parse_filters(raw: Any, path: str = "filters", depth: int = 0) -> Condition:
         else:
             parts.append(_field(key, value, where))
     return parts[0] if len(parts) == 1 else All(tuple(parts))
+
+
+def _terms(raw: Any) -> int:
+    """Keys and list items in a JSON value, all levels together; counting stops past MAX_TERMS."""
+    count, pending = 0, [raw]
+    while pending and count <= MAX_TERMS:
+        node = pending.pop()
+        if isinstance(node, dict):
+            count += len(node)
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            count += len(node)
+            pending.extend(node)
+    return count
 
 
 def _logical(kind: str, value: Any, where: str, depth: int) -> Condition:

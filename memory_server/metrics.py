@@ -23,5 +23,5 @@ class Metrics:
                                     "Last change-log position applied to the vector index", registry=self.registry)
         self.index_points = Gauge("memory_server_index_points", "Points in the vector index", registry=self.registry)
         self.index_left_out = Gauge("memory_server_index_left_out",
-                                    "Memories this process found the vector index cannot hold, left out of it "
-                                    "(and of search); the log names them", registry=self.registry)
+                                    "Memories the vector index cannot hold, left out of it (and of search) "
+                                    "until changed; the log names them", registry=self.registry)

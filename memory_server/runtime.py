@@ -113,6 +113,10 @@ class Runtime:
             _rebuild_outdated(settings, index, sync)
         if not recreate_index:
             sync.catch_up()  # repair: replay whatever SQL committed that the index has not applied
+        if sync.left_out:
+            log.error("%d memories are left out of the vector index (and of search): it could not hold them: %s; "
+                      "they are indexed again when changed, or by `memory-server reindex` once it can hold them",
+                      len(sync.left_out), ", ".join(sorted(sync.left_out)[:20]) + (" …" if len(sync.left_out) > 20 else ""))
         memories = VectorMemory(settings, engine, embedder, index, sync, sparse)
         runtime = cls(settings, engine, embedder, index, sync, memories, KeyCache(settings.key_cache_seconds))
         if background:

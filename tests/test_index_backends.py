@@ -1,6 +1,7 @@
 """One contract for both VectorIndex backends (Qdrant Edge, Qdrant server via qdrant-client),
 and a congruence check: the same data gives the same ids in the same order on both."""
 
+from contextlib import closing
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -300,31 +301,58 @@ def test_a_memory_the_index_cannot_hold_is_left_out_and_every_later_change_still
     Edge: qdrant-client's in-process stand-in keeps payloads as Python objects and takes it, where a
     real server would be sent JSON; the contract test above covers that backend's `refused`. On
     SQLite: PostgreSQL's jsonb refuses to store a lone surrogate at all.)"""
-    rt = Runtime.open(make_settings(tmp_path / "data"), embedder=embedder)
-    try:
-        _left_out_and_back(rt, admin, caplog)
-    finally:
-        rt.close()
-
-
-def _left_out_and_back(rt, admin, caplog):
+    settings = make_settings(tmp_path / "data")
     search = SearchRequest(query="who keeps bees or hens?", filters={"user_id": "quinn"}, mode="dense")
-    [bees] = rt.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn")).results
-    with rt.engine.begin() as connection:  # its metadata as SQLite holds it: a lone surrogate
-        connection.exec_driver_sql(f"UPDATE {MemoryRecord.__tablename__} SET metadata = ? WHERE id = ?",
-                                   ('{"note": "\\ud800"}', bees.id))
-        connection.execute(ChangeLogEntry.__table__.insert(), [{"tenant_id": admin.tenant_id, "memory_id": bees.id,
-                                                                "op": "upsert", "created_at": datetime.now(timezone.utc)}])
+    with closing(Runtime.open(settings, embedder=embedder)) as rt:
+        [bees] = rt.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn")).results
+        with rt.engine.begin() as connection:  # its metadata as SQLite holds it: a lone surrogate
+            connection.exec_driver_sql(f"UPDATE {MemoryRecord.__tablename__} SET metadata = ? WHERE id = ?",
+                                       ('{"note": "\\ud800"}', bees.id))
+            connection.execute(ChangeLogEntry.__table__.insert(), [{
+                "tenant_id": admin.tenant_id, "memory_id": bees.id, "op": "upsert",
+                "created_at": datetime.now(timezone.utc)}])
+        with caplog.at_level("ERROR", logger="memory_server"):
+            [hens] = rt.memories.add(admin, AddRequest(text="Quinn keeps hens in the garden", user_id="quinn")).results
+        assert bees.id in caplog.text and "left out" in caplog.text
+        assert rt.sync.left_out == {bees.id}
+        assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]  # its old point went too
+        assert rt.sync.rebuild() == 2  # a rebuild from SQL leaves it out the same way
+        assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]
+        assert rt.sync.left_out == {bees.id}
+    # The set is kept with the index's position: a restart still knows it, and says so.
+    caplog.clear()
     with caplog.at_level("ERROR", logger="memory_server"):
-        [hens] = rt.memories.add(admin, AddRequest(text="Quinn keeps hens in the garden", user_id="quinn")).results
-    assert bees.id in caplog.text and "left out" in caplog.text
-    assert rt.sync.left_out == {bees.id}
-    assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]  # its old point went too
-    assert rt.sync.rebuild() == 2  # a rebuild from SQL leaves it out the same way
-    assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]
-    rt.memories.update(admin, bees.id, UpdateRequest(metadata={"note": "fixed"}))
-    assert rt.sync.left_out == set()
-    assert {h.id for h in rt.memories.search(admin, search)} == {bees.id, hens.id}
+        rt = Runtime.open(settings, embedder=embedder)
+    with closing(rt):
+        assert rt.sync.left_out == {bees.id}
+        assert "1 memories are left out of the vector index" in caplog.text and bees.id in caplog.text
+        assert [h.id for h in rt.memories.search(admin, search)] == [hens.id]
+        rt.memories.update(admin, bees.id, UpdateRequest(metadata={"note": "fixed"}))
+        assert rt.sync.left_out == set()
+        assert {h.id for h in rt.memories.search(admin, search)} == {bees.id, hens.id}
+    with closing(Runtime.open(settings, embedder=embedder)) as rt:  # the change that brought it back is kept too
+        assert rt.sync.left_out == set()
+        assert {h.id for h in rt.memories.search(admin, search)} == {bees.id, hens.id}
+
+
+def test_qdrant_server_keeps_the_left_out_set_with_its_position():
+    """The Edge side is the restart above; a Qdrant server collection is reopened here by a second
+    index object on the same client (a replica starting, or this one restarted)."""
+    from qdrant_client import QdrantClient
+
+    from memory_server.storage.vectors.qdrant import QdrantServerIndex
+
+    index = QdrantServerIndex(QdrantClient(":memory:"), "memories", 4, "test-model")
+    index.left_out = frozenset({"7d9f1c8e-0000-4000-8000-000000000001", "7d9f1c8e-0000-4000-8000-000000000002"})
+    index.set_applied_position(7)
+    other = QdrantServerIndex(index.client, index.collection, index.dimension, index.model)
+    assert (other.applied_position(), other.left_out) == (7, index.left_out)
+    index.left_out = frozenset()
+    index.set_applied_position(8)
+    other = QdrantServerIndex(index.client, index.collection, index.dimension, index.model)
+    assert (other.applied_position(), other.left_out) == (8, frozenset())
+    other.reset()  # a rebuild starts with nothing left out
+    assert (other.applied_position(), other.left_out) == (0, frozenset())
 
 
 def test_replicas_opening_a_new_qdrant_collection_at_once_all_start(embedder):

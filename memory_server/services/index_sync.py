@@ -97,7 +97,11 @@ class IndexSync:
         self.batch_size = batch_size
         self._lock = threading.Lock()
         self.applied_since_optimize = 0
-        self.left_out: set[str] = set()  # memories the index could not hold (see _apply)
+
+    @property
+    def left_out(self) -> frozenset[str]:
+        """Memories the index could not hold (see _apply); recorded in the index with its position."""
+        return self.index.left_out
 
     def head(self) -> int:
         # The driver's cursor on a plain connection: every search asks this first (storage/db.py).
@@ -133,20 +137,23 @@ class IndexSync:
         (their conversion fails on its own: data no request may write any more, from a bug or an
         older version), those memories are left out of the index, and out of search, with an
         error logged and counted, instead of every later change waiting behind them for good; any
-        other failure (the index down, full) is raised, and the run is tried again later."""
+        other failure (the index down, full) is raised, and the run is tried again later. The set
+        left out goes into the index with the position (it outlives a restart: the memories stay
+        out until changed or deleted, or until a rebuild that can hold them)."""
+        before = self.index.left_out
+        # Changed or deleted since: held or deleted as any other memory.
+        self.index.left_out = before.difference([p.id for p in points], deleted) if before else before
         try:
             self._write(points, deleted, position)
         except Exception:
             refused = set(self.index.refused(points))
             if not refused:
+                self.index.left_out = before
                 raise
             log.error("the vector index cannot hold memories %s: they stay in the database but are left out "
                       "of the index (and of search) until they are changed or deleted", sorted(refused))
-            self.left_out.update(refused)
+            self.index.left_out = self.index.left_out | refused
             self._write([p for p in points if p.id not in refused], [*deleted, *sorted(refused)], position)
-            return
-        if self.left_out:  # changed or deleted since: held or deleted as any other memory
-            self.left_out.difference_update([p.id for p in points], deleted)
 
     def _write(self, points: list[IndexPoint], deleted: list[str], position: int | None) -> None:
         if position is None:  # a rebuild: it records its position once, at the end

@@ -54,6 +54,9 @@ class VectorIndex(Protocol):
 
     dimension: int
     outdated: bool  # made by an older version with another payload layout: rebuild before use
+    # Memories this index could not hold (IndexSync._apply), kept with the position: the next
+    # write of the position records the set as it is then, and opening the index reads it back.
+    left_out: frozenset[str]
 
     def upsert(self, points: list[IndexPoint]) -> None: ...
 

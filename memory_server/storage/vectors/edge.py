@@ -163,6 +163,7 @@ class EdgeIndex:
                 shard.close()
                 raise
             self._position = int(payload.get("position", 0))
+            self.left_out = frozenset(payload.get("left_out", ()))
             self.outdated = int(payload.get("layout", 1)) < PAYLOAD_LAYOUT
             return shard
         self.path.mkdir(parents=True, exist_ok=True)
@@ -174,15 +175,14 @@ class EdgeIndex:
         for name in FLOAT_FIELDS:
             shard.update(qe.UpdateOperation.create_field_index(name, qe.FloatIndexParams(memory=cached)))
         self._position = 0
+        self.left_out = frozenset()
         self.outdated = False
         shard.update(qe.UpdateOperation.upsert_points([self._meta_point(0)]))
         shard.flush()
         return shard
 
     def _meta_point(self, position: int) -> qe.Point:
-        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
-                   "layout": PAYLOAD_LAYOUT}
-        return qe.Point(META_ID, {}, payload)
+        return qe.Point(META_ID, {}, meta_payload(self, position))
 
     def close(self) -> None:
         with self._lock:
@@ -343,6 +343,16 @@ def read_ahead(path: Path) -> int:
 
 def _hits(points) -> list[Hit]:
     return [Hit(str(p.id), float(p.score)) for p in points]
+
+
+def meta_payload(index, position: int) -> dict:
+    """The meta point's payload (both backends): the position applied, what made the index, and the
+    memories left out of it."""
+    payload = {"_meta": True, "position": position, "dimension": index.dimension, "model": index.model,
+               "layout": PAYLOAD_LAYOUT}
+    if index.left_out:
+        payload["left_out"] = sorted(index.left_out)
+    return payload
 
 
 def check_model(meta: dict, dimension: int, model: str, where: str) -> None:

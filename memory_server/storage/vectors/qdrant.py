@@ -6,7 +6,7 @@ from pydantic_core import PydanticSerializationError
 from qdrant_client import QdrantClient, models
 
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
-from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, PAYLOAD_LAYOUT, check_model
+from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, PAYLOAD_LAYOUT, check_model, meta_payload
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
 
 CREATION_WAIT_SECONDS = 10.0  # how long a replica waits for a collection another one is creating
@@ -41,11 +41,13 @@ class QdrantServerIndex:
         payload = self._meta_payload()
         check_model(payload, self.dimension, self.model, f"Qdrant collection '{self.collection}'")
         self._position = int(payload.get("position", 0))
+        self.left_out = frozenset(payload.get("left_out", ()))
         self.outdated = int(payload.get("layout", 1)) < PAYLOAD_LAYOUT
 
     def _prepare_new(self) -> None:
         """The payload indexes of a collection just created, then its meta point."""
         self.outdated = False
+        self.left_out = frozenset()
         self.client.create_payload_index(
             self.collection, "tenant", models.KeywordIndexParams(type=models.KeywordIndexType.KEYWORD, is_tenant=True)
         )
@@ -106,9 +108,7 @@ class QdrantServerIndex:
         self._position = position
 
     def _meta_point(self, position: int) -> models.PointStruct:
-        payload = {"_meta": True, "position": position, "dimension": self.dimension, "model": self.model,
-                   "layout": PAYLOAD_LAYOUT}
-        return models.PointStruct(id=META_ID, vector={}, payload=payload)
+        return models.PointStruct(id=META_ID, vector={}, payload=meta_payload(self, position))
 
     def optimize(self) -> None:
         """A Qdrant server runs its optimizers on its own."""

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from memory_server import allocator
-from memory_server.auth import KeyCache, create_key
+from memory_server.auth import OPERATOR_TENANT, REVOCATIONS_FILE, KeyCache, create_key
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
 from memory_server.errors import StartupError
@@ -24,7 +24,7 @@ from memory_server.timing import name_os_thread
 
 log = logging.getLogger("memory_server")
 BOOTSTRAP_KEY_FILE = "bootstrap-admin.key"
-BOOTSTRAP_TENANT = "default"
+BOOTSTRAP_TENANT = OPERATOR_TENANT
 
 
 def open_index(settings: Settings, dimension: int, model: str, *, recreate: bool = False) -> VectorIndex:
@@ -38,13 +38,15 @@ def open_index(settings: Settings, dimension: int, model: str, *, recreate: bool
         return QdrantServerIndex(client, settings.qdrant_collection, dimension, model, recreate=recreate)
     from memory_server.storage.vectors.edge import EdgeIndex, claim_shard_dir
 
-    path, hold = claim_shard_dir(settings.data_dir)
+    # Recreating is reindex: it rebuilds index/, the index every server opens first (see claim_shard_dir).
+    path, hold = claim_shard_dir(settings.data_dir, primary=recreate)
     return EdgeIndex(path, dimension, model, recreate=recreate, hold=hold,
                      search_threads=settings.index_search_threads or None)
 
 
 def open_database(settings: Settings) -> Engine:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    # Only its owner may enter a new data directory: the database in it holds every tenant's memories.
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     engine = make_engine(settings.resolved_database_url)
     create_schema(engine)
     return engine
@@ -118,7 +120,7 @@ class Runtime:
                       "they are indexed again when changed, or by `memory-server reindex` once it can hold them",
                       len(sync.left_out), ", ".join(sorted(sync.left_out)[:20]) + (" …" if len(sync.left_out) > 20 else ""))
         memories = VectorMemory(settings, engine, embedder, index, sync, sparse)
-        runtime = cls(settings, engine, embedder, index, sync, memories, KeyCache(settings.key_cache_seconds))
+        runtime = cls(settings, engine, embedder, index, sync, memories, KeyCache(settings.key_cache_seconds, settings.data_dir / REVOCATIONS_FILE))
         if background:
             runtime.start_background()
         return runtime

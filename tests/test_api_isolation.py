@@ -358,3 +358,86 @@ def test_revoked_admin_key_can_no_longer_manage_keys(server, admin, keys):
     expect_status(admin.delete(f"/v1/admin/keys/{key_id}"), 200)
     assert_status(second_admin.get("/v1/admin/keys"), 401, "unauthorized")
     assert_status(second_admin.post("/v1/admin/keys", json={"role": "admin"}), 401, "unauthorized")
+
+
+def test_restricted_admin_keys_cannot_manage_keys(server, admin, keys):
+    """An admin key restricted to alice could once make itself an unrestricted admin key (and read
+    bob's memories with it), list every key of the tenant and revoke the bootstrap key."""
+    restricted = keys(server.create_key("admin", user_ids=["alice"]))
+    bobs = add(admin, user_id="bob")
+    before = admin.get("/v1/admin/keys").json()["results"]
+    assert_status(restricted.get("/v1/admin/keys"), 403, "forbidden")
+    for body in ({"role": "admin"}, {"role": "agent"}, {"role": "admin", "user_ids": ["alice"]}):
+        assert_status(restricted.post("/v1/admin/keys", json=body), 403, "forbidden")
+    for key in before:
+        assert_status(restricted.delete(f"/v1/admin/keys/{key['id']}"), 403, "forbidden")
+    assert admin.get("/v1/admin/keys").json()["results"] == before
+    # Within its user it is still an admin key; beyond it, nothing.
+    alices = add(restricted, user_id="alice")
+    assert list_ids(restricted) == {alices}
+    assert_unreachable(restricted, bobs)
+
+
+def _cli_revoke(settings, key_id: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if settings.database_url:
+        env["MEMORY_SERVER_DATABASE_URL"] = settings.database_url
+    done = subprocess.run([sys.executable, "-m", "memory_server", "keys", "revoke", key_id,
+                           "--data-dir", str(settings.data_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_revocation_reaches_every_server_on_the_data_directory_at_once(server, admin, embedder):
+    """Two servers on one data directory (the workers of `serve --workers 2`), keys cached for 5 s:
+    a key revoked through one (or by the CLI) was still taken by the other for up to those 5 s."""
+    from conftest import start_server
+
+    assert server.settings.key_cache_seconds >= 5
+    other, stop = start_server(server.settings, embedder)
+    try:
+        for revoke in ("api", "cli"):
+            key_id, key = new_key(admin, "agent", user_ids=["alice"])
+            here, there = server.client(key), other.client(key)
+            with here, there:
+                add(here, text=f"Alice revoked a key through the {revoke}", user_id="alice")
+                expect_status(there.get("/v1/memories"), 200)  # cached there now
+                if revoke == "api":
+                    expect_status(admin.delete(f"/v1/admin/keys/{key_id}"), 200)
+                else:
+                    _cli_revoke(server.settings, key_id)
+                for client in (there, here):
+                    assert_status(client.get("/v1/memories"), 401, "unauthorized")
+                    assert_status(client.post("/v1/memories", json={"text": "after revocation"}), 401, "unauthorized")
+    finally:
+        stop()
+
+
+def test_a_key_verified_while_it_is_revoked_is_not_cached(server, admin):
+    """A request that read the key just before a revocation committed, and cached it just after
+    the revocation cleared the cache, kept a revoked key working for the cache's whole lifetime
+    (4 of 40 tries over HTTP). The revocation's clear now outdates such a verification."""
+    from memory_server.auth import Principal
+
+    cache = server.app.state.runtime.keys
+    principal = Principal("default", "key_in_flight", "agent")
+    generation = cache.generation  # the request starts verifying
+    cache.clear()  # the revocation lands meanwhile
+    assert cache.put("msk_in_flight", principal, generation) is principal  # the request itself goes on
+    assert cache.peek("msk_in_flight") is None  # the next one verifies again
+    generation = cache.generation
+    cache.put("msk_in_flight", principal, generation)
+    assert cache.peek("msk_in_flight") is principal
+
+
+def test_metrics_are_for_the_operators_unrestricted_admin_keys(server, admin):
+    """/metrics counts every tenant's requests and memories: another tenant's admin watched them."""
+    other_tenant = server.create_tenant_key("tB", "admin")
+    restricted = server.create_key("admin", user_ids=["alice"])
+    for key in (other_tenant, restricted):
+        with server.client(key) as c:
+            assert_status(c.get("/metrics"), 403, "forbidden")
+    expect_status(admin.get("/metrics"), 200)

@@ -42,7 +42,8 @@ async def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None
 async def principal_for(runtime: Runtime, authorization: str | None) -> Principal:
     """The principal of an Authorization header's key: from the key cache, or verified in a request thread."""
     key = parse_authorization(authorization)
-    return runtime.keys.peek(key) or runtime.keys.put(key, await in_thread(_verify, runtime, key))
+    generation = runtime.keys.generation  # before the database read: see KeyCache.put
+    return runtime.keys.peek(key) or runtime.keys.put(key, await in_thread(_verify, runtime, key), generation)
 
 
 def _verify(runtime: Runtime, key: str) -> Principal:

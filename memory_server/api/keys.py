@@ -1,11 +1,11 @@
-"""API key management for admin keys, bounded to the admin's own tenant."""
+"""API key management for unrestricted admin keys, bounded to the admin's own tenant."""
 
 from fastapi import APIRouter
 from sqlmodel import Session
 
 from memory_server.api.deps import PrincipalDep, RuntimeDep
 from memory_server.api.responses import documented_errors
-from memory_server.auth import Principal, create_key, list_keys, revoke_key
+from memory_server.auth import Principal, create_key, list_keys, record_revocation, revoke_key
 from memory_server.runtime import Runtime
 from memory_server.schemas import KeyCreate, KeyCreated, KeyList, KeyPublic
 from memory_server.timing import in_thread
@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1/admin/keys", tags=["admin"], responses=documented
 
 @router.post("", response_model=KeyCreated, status_code=201)
 async def create_api_key(body: KeyCreate, principal: PrincipalDep, runtime: RuntimeDep) -> KeyCreated:
-    principal.require_admin()
+    principal.require_key_manager()
     return await in_thread(_create, runtime, principal, body)
 
 
@@ -28,7 +28,7 @@ def _create(runtime: Runtime, principal: Principal, body: KeyCreate) -> KeyCreat
 
 @router.get("", response_model=KeyList)
 async def list_api_keys(principal: PrincipalDep, runtime: RuntimeDep) -> KeyList:
-    principal.require_admin()
+    principal.require_key_manager()
     return await in_thread(_list, runtime, principal)
 
 
@@ -40,8 +40,9 @@ def _list(runtime: Runtime, principal: Principal) -> KeyList:
 
 @router.delete("/{key_id}", response_model=KeyPublic, responses=documented_errors(404))
 async def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
-    principal.require_admin()
+    principal.require_key_manager()
     revoked = await in_thread(_revoke, runtime, principal, key_id)
+    record_revocation(runtime.settings.data_dir, key_id)  # the other workers on this data directory
     runtime.keys.clear()
     return revoked
 

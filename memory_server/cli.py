@@ -1,11 +1,13 @@
 """The memory-server command: serve, keys, reindex."""
 
 import logging
+import unicodedata
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from sqlmodel import Session
@@ -20,11 +22,38 @@ console = Console(stderr=True)
 DataDir = Annotated[Optional[Path], typer.Option("--data-dir", help="Data directory (MEMORY_SERVER_DATA_DIR).")]
 
 
-def _settings(data_dir: Path | None = None, **overrides) -> Settings:
-    values = {k: v for k, v in overrides.items() if v is not None}
+def _fail(message: str) -> NoReturn:
+    """Refuse the command: one `error: …` line on stderr (never wrapped, unlike the console's), exit status 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _settings(data_dir: Path | None = None, **options) -> Settings:
+    """The environment's settings with the command's options over them. A bad value is refused naming
+    its option or variable; a data directory that does not exist yet is created and named, so that a
+    mistyped --data-dir shows as the new, empty store it makes."""
+    values = {k: v for k, v in options.items() if v is not None}
     if data_dir is not None:
         values["data_dir"] = data_dir
-    return Settings(**values)
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        _fail("; ".join(_setting_error(error, values) for error in exc.errors()))
+    if not settings.data_dir.is_dir():
+        try:
+            settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # see open_database
+        except OSError as exc:
+            _fail(f"cannot create the data directory {settings.data_dir}: {exc.strerror or exc}")
+        typer.echo(f"created a new, empty data directory {settings.data_dir.resolve()}", err=True)
+    return settings
+
+
+def _setting_error(error: dict, options: dict) -> str:
+    """`--port: Input should be …` or `MEMORY_SERVER_PORT: …`, whichever the value came from (never
+    the value itself: a database URL may hold a password)."""
+    name = str(error["loc"][0]) if error["loc"] else "settings"
+    where = "--" + name.replace("_", "-") if name in options else f"MEMORY_SERVER_{name.upper()}"
+    return f"{where}: {error['msg'].removeprefix('Value error, ')}"
 
 
 @app.command()
@@ -43,6 +72,7 @@ def serve(
 
     settings = _settings(data_dir, host=host, port=port, workers=workers)
     configure_logging(settings)
+    logging.getLogger("memory_server").info("data directory %s", settings.data_dir.resolve())
     # A longer keep-alive than uvicorn's 5 s: clients and proxies that reuse connections under load
     # otherwise race the server's close (seen as rare connection resets in the HTTP benchmark).
     options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30,
@@ -68,8 +98,7 @@ def serve(
     try:
         status = worker_processes.run(settings.workers, settings.host, settings.port, options)
     except StartupError as exc:
-        console.print(f"error: {exc}")
-        raise typer.Exit(2) from None
+        _fail(str(exc))
     raise typer.Exit(status)
 
 
@@ -101,7 +130,11 @@ def reindex(
     from memory_server.errors import StartupError
     from memory_server.runtime import Runtime
 
-    runtime = Runtime.open(_settings(data_dir), recreate_index=True)
+    settings = _settings(data_dir)
+    try:
+        runtime = Runtime.open(settings, recreate_index=True)
+    except StartupError as exc:  # a running server holds the index, say
+        _fail(str(exc))
     try:
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console) as progress:
@@ -116,8 +149,7 @@ def reindex(
             for path in drop_unheld_shards(runtime.settings.data_dir, runtime.index.path):
                 console.print(f"removed {path.name} (another server process's index; rebuilt from the log when needed)")
     except StartupError as exc:
-        console.print(f"error: {exc}")
-        raise typer.Exit(2) from None
+        _fail(str(exc))
     finally:
         runtime.close()
 
@@ -133,10 +165,32 @@ def _key_session(data_dir: Path | None):
         with Session(engine) as session:
             yield session
     except MemoryServerError as exc:
-        console.print(f"error: {exc.message}")
-        raise typer.Exit(2) from None
+        _fail(exc.message)
     finally:
         engine.dispose()
+
+
+def _is_control(character: str) -> bool:
+    """Tab, newline and the like, and Unicode's line and paragraph separators: they would break
+    `keys list`'s tab-separated lines."""
+    return unicodedata.category(character) in ("Cc", "Zl", "Zp")
+
+
+def _check_label(label: str) -> None:
+    """A label as the HTTP API takes it (KeyCreate's limit), without control characters."""
+    from memory_server.schemas import KeyCreate
+
+    try:
+        KeyCreate(role="agent", label=label)
+    except ValidationError as exc:
+        _fail(f"--label: {exc.errors()[0]['msg']}")
+    if any(_is_control(c) for c in label):
+        _fail("--label: must not contain control characters (tab, newline, …)")
+
+
+def _shown(label: str) -> str:
+    """A label on one `keys list` field: control characters written as escapes (\\t, \\n, …)."""
+    return "".join(c.encode("unicode_escape").decode() if _is_control(c) else c for c in label)
 
 
 @keys_app.command("create")
@@ -151,6 +205,8 @@ def keys_create(
     """Create a key; the key itself is printed alone on the last line (shown once)."""
     from memory_server.auth import create_key
 
+    if label is not None:
+        _check_label(label)
     with _key_session(data_dir) as session:
         row, plaintext = create_key(session, tenant_id=tenant, role=role, user_ids=user_id or [],
                                     agent_ids=agent_id or [], label=label)
@@ -169,17 +225,19 @@ def keys_list(tenant: Annotated[Optional[str], typer.Option(help="Only this tena
     print("\t".join(("id", "tenant", "role", "user_ids", "agent_ids", "label", "created", "revoked")))
     for r in rows:
         print("\t".join((r.id, r.tenant_id, r.role, ",".join(r.user_ids) or "-", ",".join(r.agent_ids) or "-",
-                         r.label or "-", r.created_at.isoformat(timespec="seconds"),
+                         _shown(r.label or "-"), r.created_at.isoformat(timespec="seconds"),
                          r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-")))
 
 
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, data_dir: DataDir = None) -> None:
-    """Revoke a key by its id (key_...)."""
-    from memory_server.auth import revoke_key
+    """Revoke a key by its id (key_...). Servers on this data directory stop taking it at once;
+    replicas elsewhere within MEMORY_SERVER_KEY_CACHE_SECONDS."""
+    from memory_server.auth import record_revocation, revoke_key
 
     with _key_session(data_dir) as session:
         revoke_key(session, key_id)
+    record_revocation(_settings(data_dir).data_dir, key_id)
     print(f"revoked {key_id}")
 
 

@@ -52,13 +52,38 @@ class Settings(BaseSettings):
     request_threads: int = Field(12, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
     direct_routes: bool = True  # add, batch add and search answered ahead of FastAPI (api/direct.py)
     server_timing: bool = True  # a Server-Timing header on each response: where its time went (timing.py)
-    log_level: str = "INFO"
+    log_level: Literal["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"] = "INFO"
     access_log: bool = True  # uvicorn's line per request
 
     @field_validator("data_dir")
     @classmethod
     def _expand(cls, value: Path) -> Path:
-        return value.expanduser()
+        value = value.expanduser()
+        if value.exists() and not value.is_dir():
+            raise ValueError(f"{value} is not a directory")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value):
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        """Refused here rather than when the engine is made; the URL is left out of the message
+        (it may hold a password)."""
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+        if value:
+            try:
+                make_url(value).get_dialect()
+            except ArgumentError:
+                raise ValueError("not a database URL (e.g. postgresql+psycopg://user:pass@host:5432/db)") from None
+            except NoSuchModuleError:
+                raise ValueError("no such kind of database (use sqlite:/// or postgresql+psycopg://)") from None
+        return value
 
     @property
     def resolved_model_dir(self) -> Path:

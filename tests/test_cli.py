@@ -22,8 +22,8 @@ from memory_server.schemas import AddRequest, SearchRequest
 CLI = [sys.executable, "-m", "memory_server"]
 
 
-def run_cli(*args, data_dir: Path, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def run_cli(*args, data_dir: Path, check=True, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     result = subprocess.run([*CLI, *args, "--data-dir", str(data_dir)], capture_output=True, text=True, env=env,
                             timeout=300)
     if check:
@@ -75,6 +75,7 @@ def test_serve_writes_bootstrap_key_0600_and_logs_only_its_path(served):
     key = key_file.read_text().strip()
     log = log_path.read_text()
     assert str(key_file) in log and key not in log
+    assert f"data directory {data_dir.resolve()}" in log  # a mistyped --data-dir shows as a new, empty store
     assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{url}/v1/memories", params={"user_id": "x"}).status_code == 401
     assert httpx.get(f"{url}/v1/memories", params={"user_id": "x"}, headers={"Authorization": f"Token {key}"}).status_code == 200
@@ -135,6 +136,84 @@ def test_keys_create_rejects_bad_role_and_tenant(tmp_path):
     assert run_cli("keys", "revoke", "key_missing", data_dir=tmp_path, check=False).returncode != 0
 
 
+def _refused(result: subprocess.CompletedProcess, *names: str) -> str:
+    """The one `error: …` line of a command refused with exit status 2 (no traceback)."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, (result.returncode, result.stderr[-3000:])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and all(name in errors[0] for name in names), result.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("args", [("serve", "--port", "99999"), ("serve", "--port", "0"), ("serve", "--workers", "0"),
+                                  ("serve", "--workers", "65")])
+def test_an_out_of_range_option_is_refused_naming_it(tmp_path, args):
+    _refused(run_cli(*args, data_dir=tmp_path / "data", check=False), args[1])
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("variable, value", [("MEMORY_SERVER_DEDUP_THRESHOLD", "2"), ("MEMORY_SERVER_PORT", "http"),
+                                             ("MEMORY_SERVER_WARM_DATABASE", "maybe"),
+                                             ("MEMORY_SERVER_EMBEDDING_BACKEND", "gpu"),
+                                             ("MEMORY_SERVER_LOG_LEVEL", "LOUD"),
+                                             ("MEMORY_SERVER_DATABASE_URL", "not a url"),
+                                             ("MEMORY_SERVER_DATABASE_URL", "nosuchdb://host/db")])
+def test_a_bad_environment_setting_is_refused_naming_it(tmp_path, variable, value):
+    for command in (("keys", "list"), ("reindex",)):
+        _refused(run_cli(*command, data_dir=tmp_path / "data", check=False, env={variable: value}), variable)
+
+
+def test_a_database_url_with_a_password_is_never_echoed_when_refused(tmp_path):
+    result = run_cli("keys", "list", data_dir=tmp_path, check=False,
+                     env={"MEMORY_SERVER_DATABASE_URL": "nosuchdb://memory:s3cret@db/memory"})
+    assert "s3cret" not in _refused(result, "MEMORY_SERVER_DATABASE_URL")
+
+
+def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("not a data directory")
+    for command in (("keys", "list"), ("reindex",), ("serve", "--port", str(free_port()))):
+        _refused(run_cli(*command, data_dir=a_file, check=False), "--data-dir", "not a directory")
+    under_a_file = run_cli("keys", "list", data_dir=a_file / "data", check=False)
+    _refused(under_a_file, str(a_file / "data"))
+    assert a_file.read_text() == "not a data directory"
+
+
+def test_a_new_data_dir_is_named_when_created(tmp_path):
+    result = run_cli("keys", "list", data_dir=tmp_path / "typo")
+    assert f"created a new, empty data directory {(tmp_path / 'typo').resolve()}" in result.stderr
+    assert "created" not in run_cli("keys", "list", data_dir=tmp_path / "typo").stderr
+
+
+@pytest.mark.parametrize("label", ["two\tcolumns", "two\nlines", "a\rreturn", "bell\x07", "x" * 201])
+def test_keys_create_refuses_a_label_the_http_api_or_keys_list_cannot_take(tmp_path, label):
+    _refused(run_cli("keys", "create", "--tenant", "acme", "--label", label, data_dir=tmp_path, check=False), "label")
+    assert run_cli("keys", "list", data_dir=tmp_path).stdout.count("\n") == 1  # the header: nothing was created
+
+
+def test_keys_create_takes_a_label_of_200_characters(tmp_path):
+    label = "Café ops — " + "x" * 189
+    run_cli("keys", "create", "--tenant", "acme", "--label", label, data_dir=tmp_path)
+    rows = run_cli("keys", "list", data_dir=tmp_path).stdout.splitlines()
+    assert rows[1].split("\t")[5] == label
+
+
+def test_keys_list_keeps_one_line_per_key_whatever_its_label(tmp_path):
+    # A label stored by another way in (the HTTP API takes any characters) must not break the rows.
+    from sqlmodel import Session
+
+    from memory_server.auth import create_key
+    from memory_server.storage.db import create_schema, make_engine
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'memory.db'}")
+    create_schema(engine)
+    with Session(engine) as session:
+        create_key(session, tenant_id="acme", role="agent", label="two\tcols\nand a line")
+    engine.dispose()
+    rows = run_cli("keys", "list", data_dir=tmp_path).stdout.splitlines()
+    assert len(rows) == 2 and [len(row.split("\t")) for row in rows] == [8, 8]
+    assert rows[1].split("\t")[5] == "two\\tcols\\nand a line"
+
+
 UMA = Principal("t", "k", "admin")
 
 
@@ -166,6 +245,37 @@ def test_reindex_command_rebuilds_from_sql(tmp_path, embedder):
     shutil.rmtree(settings.data_dir / "index")  # lose the index entirely
     result = _assert_reindexed(settings, embedder)
     assert "removed index-1" in result.stderr + result.stdout and not (settings.data_dir / "index-1").exists()
+
+
+def test_reindex_refuses_while_a_server_holds_the_index_and_leaves_it_alone(served):
+    url, data_dir, _ = served
+    key = (data_dir / "bootstrap-admin.key").read_text().strip()
+    headers = {"Authorization": f"Bearer {key}"}
+    assert httpx.post(f"{url}/v1/memories", headers=headers, json={"text": "Vera sails", "user_id": "v"}).status_code == 200
+    before = sorted(p.name for p in data_dir.iterdir())
+    _refused(run_cli("reindex", data_dir=data_dir, check=False), "index", "stop")
+    assert sorted(p.name for p in data_dir.iterdir()) == before and not (data_dir / "index-1").exists()
+    found = httpx.post(f"{url}/v1/memories/search", headers=headers,
+                       json={"query": "sails", "filters": {"user_id": "v"}, "mode": "keyword"}).json()
+    assert [hit["memory"] for hit in found["results"]] == ["Vera sails"]
+
+
+def test_reindex_refuses_while_another_process_holds_a_further_index(tmp_path, embedder):
+    # The server left running on index-1 would go on answering from its old index.
+    from memory_server.storage.vectors.edge import claim_shard_dir
+
+    settings = make_settings(tmp_path / "data")
+    _two_memories(settings, embedder, other_process=True)
+    first, first_hold = claim_shard_dir(settings.data_dir)
+    second, second_hold = claim_shard_dir(settings.data_dir)
+    first_hold.close()  # index/ is free, index-1/ is held (as by a second `serve` started later)
+    try:
+        assert (first.name, second.name) == ("index", "index-1")
+        _refused(run_cli("reindex", data_dir=settings.data_dir, check=False), "index-1", "stop")
+        assert not (settings.data_dir / "index-2").exists()
+    finally:
+        second_hold.close()
+    _assert_reindexed(settings, embedder)
 
 
 def test_a_damaged_index_is_refused_with_the_way_out_and_reindex_rebuilds_it(tmp_path, embedder):
@@ -271,14 +381,14 @@ def _workers(port: int, count: int, timeout: float = 90) -> tuple[int, list[int]
         listening = [pid for pid, state, _ in _server_sockets(port) if state == "listening"]
         if len(listening) == 1:
             workers = []
-            for stat in Path("/proc").glob("[0-9]*/stat"):
+            for proc_stat in Path("/proc").glob("[0-9]*/stat"):
                 try:
-                    parent = stat.read_text().rsplit(")", 1)[1].split()[1]
-                    command = (stat.parent / "cmdline").read_bytes()
+                    parent = proc_stat.read_text().rsplit(")", 1)[1].split()[1]
+                    command = (proc_stat.parent / "cmdline").read_bytes()
                 except OSError:
                     continue
                 if parent == str(listening[0]) and b"spawn_main" in command:
-                    workers.append(int(stat.parent.name))
+                    workers.append(int(proc_stat.parent.name))
             if len(workers) == count:
                 return listening[0], sorted(workers)
         time.sleep(0.3)

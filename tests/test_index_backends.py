@@ -154,11 +154,35 @@ def test_edge_and_qdrant_server_return_the_same_ids_in_the_same_order(tmp_path, 
                 edge_hits = rt.memories.search(admin, request)
                 qdrant_hits = on_qdrant.search(admin, request)
                 assert [h.id for h in edge_hits] == [h.id for h in qdrant_hits], (query, filters, mode)
-                if mode != "keyword":  # BM25's IDF may count deleted points differently
+                if mode != "keyword":  # the two count BM25's documents differently (empty keyword vectors)
                     assert [h.score for h in edge_hits] == pytest.approx([h.score for h in qdrant_hits], abs=1e-4)
     finally:
         qdrant_index.close()
         rt.close()
+
+
+def test_deleted_memories_rank_keyword_searches_as_if_never_stored(backend_runtime, admin):
+    """The process that deleted memories kept their terms in BM25's document frequencies (Qdrant
+    Edge's segment in memory), so "alpha beta" ranked "beta" first there and "alpha" first on a
+    replica, after a restart or a reindex. (A reviewer's finding, session 27.)"""
+    memories = backend_runtime.memories
+    kept = ["alpha", "beta", "beta gamma", "beta delta", "filler one", "filler two", "filler three"]
+    doomed = ["alpha epsilon", "alpha zeta", "alpha eta", "alpha theta", "alpha iota"]
+    added = memories.add_batch(admin, [AddRequest(text=t, user_id="u") for t in kept + doomed]).results
+    for result in added[len(kept):]:
+        memories.delete(admin, result.id)
+
+    def ranking():
+        out = {}
+        for mode in ("keyword", "hybrid"):
+            hits = memories.search(admin, SearchRequest(query="alpha beta", user_id="u", mode=mode, top_k=4))
+            out[mode] = [(h.memory, round(h.score, 4)) for h in hits]
+        return out
+
+    live = ranking()
+    assert live["keyword"][0][0] == "alpha" and live["hybrid"][0][0] == "alpha"
+    backend_runtime.sync.rebuild()  # an index that never held the deleted memories
+    assert ranking() == live
 
 
 def test_an_index_says_when_it_may_hold_expired_points(backend_runtime, admin):

@@ -69,6 +69,14 @@ def test_restart_keeps_memories_history_and_search(settings, embedder, admin):
         second.close()
 
 
+def test_a_new_data_directory_is_for_its_owner_only(tmp_path, embedder):
+    """It holds every tenant's memories (SQLite's file, the index): a reviewer found it readable by
+    every user of the machine (session 27)."""
+    settings = make_settings(tmp_path / "new" / "data")
+    Runtime.open(settings, embedder=embedder).close()
+    assert settings.data_dir.stat().st_mode & 0o777 == 0o700
+
+
 def test_reopening_an_edge_shard_reads_its_warm_files_ahead_and_leaves_the_cold_ones(settings, embedder, admin,
                                                                                      monkeypatch):
     from memory_server.storage.vectors import edge

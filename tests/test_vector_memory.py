@@ -78,6 +78,11 @@ def test_messages_store_each_non_system_message_with_its_role(server):
         assert [r["memory"] for r in results] == ["I moved to Lisbon last spring", "Lisbon is lovely in May"]
         roles = {c.get(f"/v1/memories/{r['id']}").json()["metadata"]["role"] for r in results}
         assert roles == {"user", "assistant"}
+        # The role comes last: neither the request's metadata nor the message's own can say otherwise.
+        response = c.post("/v1/memories", json={"user_id": "carol", "metadata": {"role": "admin", "k": 1}, "messages": [
+            {"role": "user", "content": "My sister lives in Porto", "metadata": {"role": "assistant", "k": 2}}]})
+        [result] = response.json()["results"]
+        assert c.get(f"/v1/memories/{result['id']}").json()["metadata"] == {"role": "user", "k": 2}
 
 
 def test_infer_true_falls_back_to_raw_and_says_so(server):
@@ -439,6 +444,73 @@ def test_an_expired_memory_is_no_duplicate_of_a_new_one(runtime, admin):
     near = runtime.memories.add(admin, AddRequest(text="Jude lives in Lagos, Nigeria", user_id="jude")).results[0]
     assert exact.event == "ADD" and exact.id != old.results[0].id
     assert near.event == "NOOP" and near.id == exact.id  # a near duplicate of the live one only
+
+
+def test_expired_copies_awaiting_the_sweep_do_not_hide_a_live_near_duplicate(runtime, admin):
+    """A reviewer's finding (session 27): the near-duplicate check asked the index for the scope's 8
+    closest points, expired ones included, and eight expired copies of a fact (re-noted by an
+    agent each time the last one expired, not yet swept) pushed the live near-duplicate out: the
+    fact was stored twice."""
+    from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
+    from memory_server.schemas import AddRequest
+    from memory_server.services.vector_memory import NEAR_CANDIDATES, text_hash
+
+    text = "Quinn is working from the Lisbon office today"
+    vector = runtime.embedder.embed([text])[0].tobytes()
+    past = datetime.now(timezone.utc) - timedelta(minutes=1)
+    rows = [{"id": memory_id, "tenant_id": admin.tenant_id, "user_id": "quinn", "agent_id": None, "run_id": None,
+             "text": text, "context": None, "hash": text_hash(text), "metadata": {}, "embedding": vector,
+             "created_at": past - timedelta(minutes=5), "updated_at": past - timedelta(minutes=5), "expires_at": past}
+            for memory_id in new_memory_ids(NEAR_CANDIDATES)]
+    with runtime.engine.begin() as connection:  # expired, and no maintenance thread here to sweep them
+        connection.execute(MemoryRecord.__table__.insert(), rows)
+        connection.execute(ChangeLogEntry.__table__.insert(), [
+            {"tenant_id": admin.tenant_id, "memory_id": row["id"], "op": "upsert", "created_at": past} for row in rows])
+    runtime.sync.catch_up()
+    live = runtime.memories.add(admin, AddRequest(text=text + ".", user_id="quinn")).results[0]
+    again = runtime.memories.add(admin, AddRequest(text=text, user_id="quinn")).results[0]
+    assert live.event == "ADD"
+    assert (again.event, again.id) == ("NOOP", live.id)
+
+
+def test_an_add_committed_after_a_listing_began_never_shows_on_its_later_pages(runtime, admin, monkeypatch):
+    """A reviewer's finding (session 27): an add's creation time was taken as it began, so a slow
+    batch that began before quick adds committed after them with an earlier time, and a listing
+    that read its first page in between met the batch on its second. The batch is held here just
+    before the write lock, with its texts embedded, while the quick adds commit and page 1 is read."""
+    import threading
+
+    from memory_server.schemas import AddRequest
+    from memory_server.services import vector_memory
+
+    for i in range(3):
+        runtime.memories.add(admin, AddRequest(text=f"Lee's old note number {i}", user_id="lee"))
+    held, release = threading.Event(), threading.Event()
+    real_begin_write = vector_memory.begin_write
+
+    def begin_write(connection):
+        if threading.current_thread().name == "slow-batch":
+            held.set()
+            release.wait(30)
+        real_begin_write(connection)
+
+    monkeypatch.setattr(vector_memory, "begin_write", begin_write)
+    batch = [AddRequest(text=f"Lee's batch entry about topic {i}", user_id="lee") for i in range(5)]
+    slow = threading.Thread(target=runtime.memories.add_batch, args=(admin, batch), name="slow-batch")
+    slow.start()
+    assert held.wait(30)
+    quick = [runtime.memories.add(admin, AddRequest(text=text, user_id="lee")).results[0].id
+             for text in ("Lee flies to Oslo on Monday", "Lee's cat is called Miso", "Lee plays the cello")]
+    first = runtime.memories.list(admin, user_id="lee", limit=2)
+    assert [m.id for m in first.results] == quick[:0:-1]
+    release.set()
+    slow.join(30)
+    rest = runtime.memories.list(admin, user_id="lee", limit=100, cursor=first.next_cursor)
+    assert [m.memory for m in rest.results] == ["Lee flies to Oslo on Monday"] + [
+        f"Lee's old note number {i}" for i in (2, 1, 0)]
+    everything = runtime.memories.list(admin, user_id="lee", limit=100).results
+    assert [m.memory for m in everything[:5]] == sorted((m.memory for m in everything[:5]), reverse=True) == [
+        b.text for b in batch][::-1]  # the batch came last, so it lists first
 
 
 def test_a_hit_that_expired_unseen_by_the_index_costs_no_result(runtime, admin):

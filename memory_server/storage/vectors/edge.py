@@ -53,9 +53,31 @@ def _try_lock(path: Path) -> IO | None:
         return None
 
 
-def claim_shard_dir(data_dir: Path) -> tuple[Path, IO]:
-    """The first shard directory no other process (or open index) holds, and its held lock."""
+def claim_shard_dir(data_dir: Path, *, primary: bool = False) -> tuple[Path, IO]:
+    """The first shard directory no other process (or open index) holds, and its held lock.
+
+    `primary` (reindex): `index/` itself, and only while no process holds any shard: the next
+    server opens `index/` first, and a server left running would go on answering from its own
+    shard, so a rebuild anywhere else would look done and change nothing."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    if primary:
+        handle = _try_lock(_slot_path(data_dir, 0))
+        held = [] if handle is not None else [_slot_path(data_dir, 0)]
+        for slot in range(1, MAX_SHARDS):
+            path = _slot_path(data_dir, slot)
+            if path.with_name(path.name + ".lock").exists():  # a process made it; probing would make one
+                probe = _try_lock(path)
+                if probe is None:
+                    held.append(path)
+                else:
+                    probe.close()
+        if held:
+            if handle is not None:
+                handle.close()
+            raise StartupError(f"the vector index {', '.join(p.name + '/' for p in held)} in {data_dir} is held by a "
+                               "running process; stop every memory-server on this data directory first, then run "
+                               "reindex again")
+        return _slot_path(data_dir, 0), handle
     for slot in range(MAX_SHARDS):
         handle = _try_lock(_slot_path(data_dir, slot))
         if handle is not None:
@@ -220,6 +242,12 @@ class EdgeIndex:
 
     def delete(self, ids: list[str]) -> None:
         if ids:
+            # Each point is first written again without its keyword vector: a deleted point's terms
+            # otherwise stay in the segment's BM25 document frequencies until it is reloaded, and the
+            # process that deleted it ranked keyword and hybrid searches unlike a replica or a restart
+            # did (bench/analysis.md, round 27).
+            blank = [qe.Point(i, {"bm25": qe.SparseVector([], [])}, {}) for i in ids]
+            self._shard.update(qe.UpdateOperation.upsert_points(blank))
             self._shard.update(qe.UpdateOperation.delete_points(list(ids)))
 
     def refused(self, points: list[IndexPoint]) -> list[str]:

@@ -80,7 +80,7 @@ class QdrantServerIndex:
 
     def delete(self, ids: list[str]) -> None:
         if ids:
-            self.client.delete(self.collection, models.PointIdsList(points=list(ids)), wait=True)
+            self.client.batch_update_points(self.collection, _deletes(ids), wait=True)
 
     def refused(self, points: list[IndexPoint]) -> list[str]:
         refused = []
@@ -102,7 +102,7 @@ class QdrantServerIndex:
         # points and deletes it covers.
         operations = [models.UpsertOperation(upsert=models.PointsList(points=[_point(p) for p in points]))] if points else []
         if deleted:
-            operations.append(models.DeleteOperation(delete=models.PointIdsList(points=list(deleted))))
+            operations.extend(_deletes(deleted))
         operations.append(models.UpsertOperation(upsert=models.PointsList(points=[self._meta_point(position)])))
         self.client.batch_update_points(self.collection, operations, wait=True)
         self._position = position
@@ -176,6 +176,16 @@ def _field(leaf: Field):
     if op == "substring":
         return models.FieldCondition(key=key, match=models.MatchSubstring(substring=value))
     return models.FieldCondition(key=key, range=models.Range(**{op: value}))
+
+
+def _deletes(ids: list[str]) -> list:
+    """Each point written again without its keyword vector, then deleted: the Qdrant engine keeps a
+    deleted point's terms in a segment's BM25 document frequencies until the segment is rebuilt (see
+    EdgeIndex.delete)."""
+    blank = [models.PointStruct(id=i, vector={"bm25": models.SparseVector(indices=[], values=[])}, payload={})
+             for i in ids]
+    return [models.UpsertOperation(upsert=models.PointsList(points=blank)),
+            models.DeleteOperation(delete=models.PointIdsList(points=list(ids)))]
 
 
 def _point(p: IndexPoint) -> models.PointStruct:

@@ -2,10 +2,12 @@
 
 import math
 import re
+import unicodedata
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StringConstraints, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from memory_server.errors import InvalidInput
 
@@ -21,18 +23,50 @@ def validate_scope_id(value: str, field: str) -> str:
     return value
 
 
-def _as_utc(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
+# The one grammar of times in requests (bodies and filters alike): an ISO 8601 date-time with an
+# optional zone (none = UTC), or a date alone (midnight UTC, as mem0's expiration_date is written).
+# Numbers and digit strings are refused: pydantic's lax mode read them as Unix seconds ("20991231"
+# was 1970-08-31), while an ISO 8601 reader reads "20991231" as a date.
+_ISO_TIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[Tt ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:[Zz]|[+-]\d{2}:?\d{2})?)?")
+TIME_FORMS = ("an ISO 8601 time such as 2099-12-31T23:59:59Z (no zone = UTC) or a date such as 2099-12-31 "
+              "(midnight UTC)")
+
+
+def parse_time(value: Any) -> datetime:
+    """A request's time as an aware UTC datetime; otherwise ValueError, whose message completes
+    "<field> ..." ("should be an ISO 8601 time ...")."""
+    if isinstance(value, datetime):
+        moment = value
+    elif isinstance(value, str) and _ISO_TIME.fullmatch(value):
+        try:
+            moment = datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
+        except ValueError as exc:  # a day or hour that does not exist
+            raise ValueError(f"should be {TIME_FORMS}: {value!r} is not a valid time ({exc})") from None
+    elif isinstance(value, str):
+        raise ValueError(f"should be {TIME_FORMS}, not {value!r}")
+    else:
+        kind = ("a boolean" if isinstance(value, bool) else "a number" if isinstance(value, (int, float))
+                else "null" if value is None else f"a JSON {'list' if isinstance(value, list) else 'object'}")
+        raise ValueError(f"should be {TIME_FORMS} (a string), not {kind}")
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=timezone.utc)
     try:
-        return value.astimezone(timezone.utc)
+        return moment.astimezone(timezone.utc)
     except OverflowError:
-        raise ValueError("time is out of range once converted to UTC") from None
+        raise ValueError(f"is out of range once converted to UTC ({value!r})") from None
 
 
-UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+def _request_time(value: Any) -> datetime:
+    try:
+        return parse_time(value)
+    except ValueError as exc:  # pydantic would prefix a plain ValueError's message with "Value error, "
+        raise PydanticCustomError("time_parsing", "Input {reason}", {"reason": str(exc)}) from None
+
+
+UtcDatetime = Annotated[datetime, PlainValidator(_request_time), WithJsonSchema({
+    "anyOf": [{"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}],
+    "description": "ISO 8601: a date-time (no zone = UTC) or a date (midnight UTC); not a number"})]
+
 INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -199,11 +233,20 @@ class HistoryResponse(BaseModel):
 MAX_KEY_IDS = 1000
 
 
+def _one_line(label: str) -> str:
+    """A key's label is one line of text: `keys list` prints one tab-separated line per key."""
+    if not is_unicode(label):
+        raise ValueError("label must be valid Unicode (it holds a lone surrogate such as \\ud800)")
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in label):
+        raise ValueError("label must not contain control characters (tab, newline, …) or line separators")
+    return label
+
+
 class KeyCreate(_Strict):
     role: Literal["admin", "agent"]
     user_ids: list[ScopeId] = Field(default_factory=list, max_length=MAX_KEY_IDS)
     agent_ids: list[ScopeId] = Field(default_factory=list, max_length=MAX_KEY_IDS)
-    label: Annotated[str, StringConstraints(max_length=200)] | None = None
+    label: Annotated[str, StringConstraints(max_length=200), AfterValidator(_one_line)] | None = None
 
 
 class KeyPublic(BaseModel):

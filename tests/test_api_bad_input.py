@@ -140,6 +140,15 @@ def test_agent_key_on_admin_keys_api_is_403(server, client):
         assert_error(agent.delete(f"/v1/admin/keys/{own_id}"), 403, code="forbidden")
 
 
+def test_a_key_label_of_more_than_one_line_is_422(client, subtests):
+    """`keys list` prints one tab-separated line per key: the CLI refused such labels, the API took them."""
+    for label in ("two\tcolumns", "two\nlines", "bell\x07", "line\u2028separator"):
+        with subtests.test(repr(label)):
+            response = client.post("/v1/admin/keys", json={"role": "agent", "label": label})
+            assert_error(response, 422, "label", "invalid_input")
+    assert expect_status(client.post("/v1/admin/keys", json={"role": "agent", "label": "Café ops — laptop"}), 201)
+
+
 def test_a_key_restricted_to_more_than_1000_ids_is_422_and_1000_work(server, client):
     """Each restricted id is one SQL parameter of a listing or a scope delete: 70,000 of them made
     every listing with that key fail on PostgreSQL (65,535 parameters at most)."""
@@ -529,6 +538,19 @@ def test_forged_cursor_with_nul_byte_is_not_a_500(client):
         assert_error(response, 400, "cursor", "invalid_cursor")
 
 
+def test_forged_cursor_with_a_time_that_has_no_utc_value_is_400(client, subtests):
+    """A reviewer's finding (session 27): the time passed the cursor's check, and failed as the
+    query's parameter, in UTC (a 500)."""
+    add(client)
+    for moment in ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+05:00"):
+        with subtests.test(moment):
+            response = client.get("/v1/memories", params={"cursor": cursor_of([moment, str(uuid.uuid4())])})
+            assert_error(response, 400, "cursor", "invalid_cursor")
+    # A well-formed cursor of any time and id just lists from there (it can only reach the key's own memories).
+    page = client.get("/v1/memories", params={"cursor": cursor_of(["9999-12-31T00:00:00-05:00", str(uuid.uuid4())])})
+    assert len(expect_status(page, 200).json()["results"]) == 1
+
+
 def test_delete_by_scope_with_bad_query_is_422_and_deletes_nothing(client):
     memory = add(client)
     assert_error(client.delete("/v1/memories"), 422, "user_id", "invalid_input")
@@ -622,3 +644,59 @@ def test_wrong_method_is_405_and_allow_names_every_method_of_the_path(client, su
             response = client.request(method, path)
             assert_error(response, 405, None, "method_not_allowed")
             assert response.headers["allow"] == allowed
+
+
+# -- bodies not sent as JSON, and times --------------------------------------------------------------
+def test_a_json_body_sent_without_a_json_content_type_is_422_saying_so(client, subtests):
+    """`curl -d '{...}'` without -H sends application/x-www-form-urlencoded; the body is then not read as
+    JSON (FastAPI's rule). The answer says why, on every body route, the direct ones included."""
+    memory = add(client)
+    requests = [("POST", "/v1/memories", add_body(text="I like black tea")),
+                ("POST", "/v1/memories/batch", {"items": [add_body(text="I like black tea")]}),
+                ("POST", "/v1/memories/search", search_body()),
+                ("PATCH", f"/v1/memories/{memory['id']}", {"text": "I like black tea"})]
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+        for method, path, body in requests:
+            with subtests.test(content_type=content_type, path=path):
+                headers = {"Content-Type": content_type} if content_type else {}
+                response = client.request(method, path, content=json.dumps(body).encode(), headers=headers)
+                assert response.request.headers.get("content-type") == content_type
+                assert_error(response, 422, None, "invalid_input")
+                assert "Content-Type: application/json" in response.json()["error"]["message"]
+    assert_unchanged(client, memory)
+    assert [m["id"] for m in client.get("/v1/memories").json()["results"]] == [memory["id"]]
+
+
+# Numbers were read as Unix seconds ("20991231" as 1970-08-31, so "in the past"), while a filter read
+# the same string as a date: a time is an ISO 8601 string, in bodies and filters alike.
+NOT_TIMES = [4102444800, 4102444800.5, "4102444800", "20991231", "20991231T000000Z", "2099-W52-4", True,
+             "2099-12-31T00:00:00+05", "31/12/2099", ""]
+
+
+def test_expires_at_that_is_a_number_or_not_iso_8601_is_422_naming_it(client, subtests):
+    memory = add(client)
+    for value in NOT_TIMES:
+        with subtests.test(value=value):
+            response = client.post("/v1/memories", json=add_body(text="I like black tea", expires_at=value))
+            assert_error(response, 422, "expires_at", "invalid_input")
+            assert "ISO 8601" in response.json()["error"]["message"]
+            batch = {"items": [add_body(text="I like coffee"), add_body(text="I like black tea", expires_at=value)]}
+            assert_error(client.post("/v1/memories/batch", json=batch), 422, "items[1].expires_at", "invalid_input")
+            assert_error(client.patch(f"/v1/memories/{memory['id']}", json={"expires_at": value}), 422, "expires_at")
+            found = client.post("/v1/memories/search", json=filtered({"user_id": "u1", "created_at": {"lt": value}}))
+            assert_error(found, 422, "filters.created_at.lt", "invalid_input")
+    assert_unchanged(client, memory)
+    assert [m["id"] for m in client.get("/v1/memories").json()["results"]] == [memory["id"]]
+
+
+def test_a_time_means_the_same_in_expires_at_and_in_filters(client):
+    """A date alone is midnight UTC, no zone is UTC, and an offset is converted, in a body and in a filter."""
+    spellings = {"2099-12-31": "2099-12-31T00:00:00Z", "2099-12-31T10:30:00": "2099-12-31T10:30:00Z",
+                 "2099-12-31t10:30:00+05:30": "2099-12-31T05:00:00Z", "2099-12-31 23:45z": "2099-12-31T23:45:00Z"}
+    for n, (spelling, utc) in enumerate(spellings.items()):
+        added = client.post("/v1/memories", json=add_body(text=f"I like tea number {n}", expires_at=spelling))
+        memory_id = expect_status(added, 200).json()["results"][0]["id"]
+        assert client.get(f"/v1/memories/{memory_id}").json()["expires_at"] == utc
+        for filter_value in (spelling, utc):
+            found = client.post("/v1/memories/search", json=filtered({"user_id": "u1", "expires_at": filter_value}))
+            assert [hit["id"] for hit in expect_status(found, 200).json()["results"]] == [memory_id], filter_value

@@ -198,7 +198,7 @@ def test_keys_create_takes_a_label_of_200_characters(tmp_path):
 
 
 def test_keys_list_keeps_one_line_per_key_whatever_its_label(tmp_path):
-    # A label stored by another way in (the HTTP API takes any characters) must not break the rows.
+    # A label stored before labels were checked (or written into the database) must not break the rows.
     from sqlmodel import Session
 
     from memory_server.auth import create_key

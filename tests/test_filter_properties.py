@@ -3,7 +3,6 @@ random filter trees (AND / OR / NOT, every operator, missing keys, mixed value t
 and a dense search with each must return exactly the memories a plain-Python reading of the
 documented rules selects, on both index backends."""
 
-import math
 
 import hypothesis
 import pytest
@@ -106,11 +105,11 @@ def _is_number(value) -> bool:
 
 
 def _equal(stored, wanted) -> bool:
-    """Strings exactly, numbers by value (3 == 3.0), booleans as booleans; never across types."""
-    if isinstance(stored, bool) or isinstance(wanted, bool):
-        return isinstance(stored, bool) and isinstance(wanted, bool) and stored == wanted
+    """Strings exactly; numbers by their exact value (3 == 3.0, 2^53 + 1 != 2^53), booleans as 1 and
+    0 (true == 1 == 1.0); a string never equals a number."""
+    stored, wanted = (int(v) if isinstance(v, bool) else v for v in (stored, wanted))
     if _is_number(stored) and _is_number(wanted):
-        return math.isclose(stored, wanted, rel_tol=0, abs_tol=0)
+        return stored == wanted  # Python compares an int with a float exactly
     return isinstance(stored, str) and isinstance(wanted, str) and stored == wanted
 
 
@@ -127,7 +126,7 @@ def _operator(stored, op: str, operand) -> bool:
         texts = stored if isinstance(stored, list) else [stored]
         return any(isinstance(text, str) and operand in text for text in texts)
     compare = {"gt": float.__gt__, "gte": float.__ge__, "lt": float.__lt__, "lte": float.__le__}[op]
-    return present and _is_number(stored) and compare(float(stored), float(operand))
+    return present and _is_number(stored) and compare(float(stored), float(operand))  # as float64, as indexed
 
 
 def matches(memory: dict, filters: dict) -> bool:
@@ -197,3 +196,45 @@ def test_an_integer_matches_a_stored_whole_float_and_a_huge_integer_only_itself(
     hits = runtime.memories.search(ADMIN, SearchRequest(query="big", filters={"user_id": "w", "metadata.big": 2**53 + 1},
                                                         mode="dense", top_k=10))
     assert [h.id for h in hits] == [big[f"big {2**53 + 1}"]]
+
+
+def _found(runtime, user: str, filters: dict) -> set[str]:
+    hits = runtime.memories.search(ADMIN, SearchRequest(query="note", filters={"user_id": user, **filters},
+                                                        mode="dense", top_k=100))
+    return {h.id for h in hits}
+
+
+def test_true_equals_a_stored_1_and_1_0_as_1_does(loaded):
+    """Booleans are indexed as 1 and 0, and 3 equals 3.0: so true, 1 and 1.0 select the same memories."""
+    runtime, _ = loaded
+    values = [True, 1, 1.0, False, 0, 0.0, -0.0, 2, "1", "true"]
+    added = runtime.memories.add_batch(ADMIN, [AddRequest(text=f"note flag {v!r}", user_id="flags", metadata={"flag": v})
+                                               for k, v in enumerate(values)])
+    ids = [r.id for r in added.results]
+
+    def having(*wanted):
+        return {i for i, v in zip(ids, values) if any(type(v) is type(w) and v == w for w in wanted)}
+
+    ones, zeros = having(True, 1, 1.0), having(False, 0, 0.0)
+    for operand in (True, 1, 1.0):
+        assert _found(runtime, "flags", {"metadata.flag": operand}) == ones, operand
+        assert _found(runtime, "flags", {"metadata.flag": {"ne": operand}}) == set(ids) - ones, operand
+    for operand in (False, 0, 0.0, -0.0):
+        assert _found(runtime, "flags", {"metadata.flag": operand}) == zeros, operand
+    assert _found(runtime, "flags", {"metadata.flag": {"in": [1]}}) == ones
+    assert _found(runtime, "flags", {"metadata.flag": {"nin": [0, 2]}}) == set(ids) - zeros - having(2)
+
+
+def test_equality_at_2_53_and_beyond_matches_the_integer_itself_on_both_indexes(loaded):
+    """`eq 2^53` also matched a stored 2^53 + 1 on Qdrant Edge: its float alternative, [2^53, 2^53],
+    holds every integer that rounds to 2^53 there (a reviewer's finding, session 27)."""
+    runtime, _ = loaded
+    values = (2**53 - 1, 2**53, 2**53 + 1, 2**53 + 2, 2**63 - 1, -(2**53), -(2**53) - 1)
+    added = runtime.memories.add_batch(ADMIN, [AddRequest(text=f"note huge {k}", user_id="huge", metadata={"i": v})
+                                               for k, v in enumerate(values)])
+    ids = dict(zip(values, (r.id for r in added.results)))
+    for v in values:
+        assert _found(runtime, "huge", {"metadata.i": v}) == {ids[v]}, v
+        assert _found(runtime, "huge", {"metadata.i": {"in": [v, 7]}}) == {ids[v]}, v
+        assert _found(runtime, "huge", {"metadata.i": {"ne": v}}) == set(ids.values()) - {ids[v]}, v
+        assert _found(runtime, "huge", {"metadata.i": {"nin": [v]}}) == set(ids.values()) - {ids[v]}, v

@@ -45,8 +45,8 @@ def domain_error_response(exc: MemoryServerError) -> JSONResponse:
 
 
 def validation_error_response(errors: list) -> JSONResponse:
-    """400 for a body that is not JSON, else 422 naming the first field pydantic refused (`errors`
-    as pydantic reports them, their `loc` relative to the body)."""
+    """400 for a body that is not JSON, 422 for one not sent as JSON, else 422 naming the first field
+    pydantic refused (`errors` as pydantic reports them, their `loc` relative to the body)."""
     first = errors[0]
     location = [f"[{p}]" if isinstance(p, int) else str(p) for p in first.get("loc", ())]
     field = ".".join(location).replace(".[", "[") or None
@@ -54,6 +54,11 @@ def validation_error_response(errors: list) -> JSONResponse:
         return error_response(400, "malformed_json", "request body is not valid JSON", None)
     if first.get("type") == "missing" and not location:
         return error_response(422, "invalid_input", "request body is required", None)
+    if not location and isinstance(first.get("input"), (bytes, bytearray)):
+        # A body not declared as JSON is validated as its bytes (FastAPI's rule, which the direct
+        # routes follow): `curl -d` without -H sends application/x-www-form-urlencoded.
+        return error_response(422, "invalid_input", "the body must be JSON sent with Content-Type: application/json "
+                              "(or another application/*+json type)", None)
     message = first.get("msg", "invalid input")
     return error_response(422, "invalid_input", f"{field}: {message}" if field else message, field)
 

@@ -1,12 +1,11 @@
 """Parse the API's `filters` JSON into the backend-neutral filter tree, naming the bad field."""
 
 import re
-from datetime import datetime, timezone
 from typing import Any
 
 from memory_server.auth import Principal
 from memory_server.errors import Forbidden, InvalidInput
-from memory_server.schemas import check_json_values, validate_scope_id
+from memory_server.schemas import check_json_values, parse_time, validate_scope_id
 from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not, walk_fields
 
 SCOPE_FIELDS = ("user_id", "agent_id", "run_id")
@@ -19,24 +18,18 @@ NEVER = 253402300799.0  # 9999-12-31: the payload's expires_at for memories that
 
 
 def to_epoch(value: Any, field: str) -> float:
-    if isinstance(value, datetime):
-        moment = value
-    elif isinstance(value, str):
-        try:
-            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            raise InvalidInput(f"{field} must be an ISO 8601 time, got {value!r}", field=field) from None
-    else:
-        raise InvalidInput(f"{field} must be an ISO 8601 time string", field=field)
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp()
+    """A filter's time, read exactly as a request body's `expires_at` is (schemas.parse_time)."""
+    try:
+        return parse_time(value).timestamp()
+    except ValueError as exc:
+        raise InvalidInput(f"{field} {exc}", field=field) from None
 
 
 MAX_DEPTH = 32  # levels of AND / OR / NOT
 # Keys and list items in one filter, all levels together: a 1,000-id `in` list fits, and a filter
 # can no longer make a search cost seconds of CPU (a 1 MiB body held ~140,000 values).
 MAX_TERMS = 2000
+EXACT = 2**53  # below it every integer is a float64 of its own
 
 
 def parse_filters(raw: Any, path: str = "filters", depth: int = 0) -> Condition:
@@ -120,8 +113,8 @@ def _condition(key: str, op: str, value: Any, where: str) -> Condition:
             raise InvalidInput(f"{key} supports eq, ne, gt, gte, lt, lte", field=where)
         value = to_epoch(value, where)
     else:
-        integers = _integers(value)
         value = _metadata_operand(op, value, where)
+        integers = _integers(value)
         if op in ("eq", "ne", "in", "nin") and integers:
             return _equal_numbers(key, op, integers)
 
@@ -140,18 +133,19 @@ def _condition(key: str, op: str, value: Any, where: str) -> Condition:
 
 
 def _integers(value: Any) -> tuple[int, ...]:
-    """The integers of an equality operand (a number or a list of them; booleans are not numbers)."""
+    """The integers of an equality operand, a number or a list of them (booleans are 1 and 0 by now,
+    as they are indexed)."""
     items = value if isinstance(value, list) else [value]
-    return tuple(items) if items and all(isinstance(v, int) and not isinstance(v, bool) for v in items) else ()
+    return tuple(items) if items and all(isinstance(v, int) for v in items) else ()
 
 
 def _equal_numbers(key: str, op: str, integers: tuple[int, ...]) -> Condition:
     """eq / ne / in / nin with integers on metadata: 3 equals a stored 3 and a stored 3.0. The indexes
-    match an integer against integers only (a float operand is a range, which matches both), and
-    JSON keeps 3.0 a float."""
+    match an integer against integers only (exactly), a float operand is a range, which matches both,
+    and JSON keeps 3.0 a float. From 2^53 on a float stands for several integers (and an index
+    comparing as float64 finds them all in that range): there only the exact integer counts."""
     exact = Field(key, "eq", integers[0]) if op in ("eq", "ne") else Field(key, "in", integers)
-    # Beyond 2^53 a float stands for several integers: there only the exact match counts.
-    floats = tuple(Field(key, "eq", float(v)) for v in integers if abs(v) <= 2**53)
+    floats = tuple(Field(key, "eq", float(v)) for v in integers if abs(v) < EXACT)
     condition = Any_((exact, *floats)) if floats else exact
     return Not(condition) if op in ("ne", "nin") else condition
 
@@ -170,7 +164,7 @@ def _metadata_operand(op: str, value: Any, where: str) -> Any:
     if op in RANGE_OPS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidInput(f"{op} on metadata compares numbers", field=where)
-        return float(value)
+        return float(value)  # the indexes compare numbers as float64 (exact below 2^53)
     if op in ("in", "nin"):
         items = _list(value, where)
         if not (all(isinstance(v, str) for v in items)

@@ -78,7 +78,15 @@ def serve(
     options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30,
                    access_log=settings.access_log)
     if settings.workers == 1:
-        uvicorn.run(create_app(settings), **options)
+        from memory_server import workers as worker_processes
+        from memory_server.errors import StartupError
+
+        try:  # bound before anything loads: a port in use is refused at once, not after the model
+            listener = worker_processes.listen(settings.host, settings.port)
+        except StartupError as exc:
+            _fail(str(exc))
+        del options["host"], options["port"]
+        uvicorn.Server(uvicorn.Config(create_app(settings), **options)).run(sockets=[listener])
         return
     # Each worker process builds its own app from the environment: pass the command-line options on,
     # and share the cores between the workers' model threads.

@@ -381,6 +381,11 @@ def test_batch_over_1000_items_is_422_and_stores_nothing(client):
     items = [add_body(text=f"note number {i}") for i in range(1001)]
     assert_error(client.post("/v1/memories/batch", json={"items": items}), 422, "items", "invalid_input")
     assert_nothing_stored(client)
+    # One add of 1,001 messages makes as many memories: refused naming its own field (it named `items`).
+    messages = [{"role": "user", "content": f"note number {i}"} for i in range(1001)]
+    assert_error(client.post("/v1/memories", json={"messages": messages, "user_id": "u1"}), 422, "messages",
+                 "invalid_input")
+    assert_nothing_stored(client)
 
 
 def test_batch_without_items_is_422(client):

@@ -470,15 +470,18 @@ def test_serve_with_workers_gives_up_when_workers_keep_failing_at_start(tmp_path
     assert "workers keep exiting as they start" in result.stderr
 
 
-def test_serve_with_workers_refuses_a_port_in_use(tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path, workers):
+    # One worker used to load the model and the index first and then fail in uvicorn (exit status 3).
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run([*CLI, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"),
-                                 "--workers", "2"], capture_output=True, text=True, timeout=120,
+                                 "--workers", workers], capture_output=True, text=True, timeout=120,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr, result.stderr
+    assert not (tmp_path / "data" / "index").exists()  # nothing was opened
 
 
 def test_serve_with_workers_prepares_the_model_once_before_starting_them(tmp_path, monkeypatch):

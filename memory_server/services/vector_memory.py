@@ -115,7 +115,8 @@ class VectorMemory:
             for text, extra, context in self._texts_of(item, prefix):
                 planned.append(Planned(scope, text, {**(item.metadata or {}), **extra}, item.expires_at, context))
         if len(planned) > self.settings.max_batch_items:
-            raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories", field="items")
+            raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories",
+                               field="items" if batch else "messages")
 
         # Vectors arrive in order while the rest are still being embedded (see embed_ahead).
         vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))

@@ -10,6 +10,8 @@ extras="${1:-}"
 if ! python -c "import torch" 2>/dev/null; then
   pip install --retries 0 --timeout 10 "torch==2.13.0" \
     --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" \
-  || pip install "torch==2.13.0"
+  || { echo "install.sh: PyTorch's CPU index is unreachable; taking torch==2.13.0 from PyPI" \
+            "(on Linux that is a CUDA build of several GB unless a CPU build is cached locally)" >&2
+       pip install "torch==2.13.0"; }
 fi
 if [ -n "$extras" ]; then pip install -e ".[$extras]"; else pip install -e .; fi

@@ -70,7 +70,9 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
             gc.unfreeze()
             runtime.close()
 
-    app = MemoryServerApp(title="memory-server", version=__version__, lifespan=lifespan,
+    # No redirects to the path without its trailing slash: clients follow a 307 with the same method,
+    # and `DELETE /v1/memories/?user_id=u` (a memory id left empty) became a delete of u's every memory.
+    app = MemoryServerApp(title="memory-server", version=__version__, lifespan=lifespan, redirect_slashes=False,
                           description="Long-term memory for LLM agents. Contract: API.md.")
     app.state.metrics = Metrics()
     for router in ROUTERS:

@@ -66,17 +66,23 @@ def serve(
     """Run the HTTP server (embedded SQLite + Qdrant Edge unless URLs are configured)."""
     import os
 
+    import functools
+
     import uvicorn
 
     from memory_server.app import configure_logging, create_app
+    from memory_server.protocol import BoundedHttpToolsProtocol
 
     settings = _settings(data_dir, host=host, port=port, workers=workers)
     configure_logging(settings)
     logging.getLogger("memory_server").info("data directory %s", settings.data_dir.resolve())
     # A longer keep-alive than uvicorn's 5 s: clients and proxies that reuse connections under load
     # otherwise race the server's close (seen as rare connection resets in the HTTP benchmark).
+    # Heads bounded in size and time (protocol.py); a stop waits at most 30 s for requests in hand
+    # (a client stalled mid-body held a one-process server's SIGTERM for good).
     options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30,
-                   access_log=settings.access_log)
+                   access_log=settings.access_log, timeout_graceful_shutdown=30,
+                   http=functools.partial(BoundedHttpToolsProtocol, head_timeout=settings.request_head_timeout_seconds))
     if settings.workers == 1:
         from memory_server import workers as worker_processes
         from memory_server.errors import StartupError

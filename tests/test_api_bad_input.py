@@ -101,6 +101,37 @@ MALFORMED_AUTHORIZATION = ["Basic dXNlcjpwYXNz", "Bearer", "{key}", "Bearer{key}
                            "Bearer {key}x", "Bearer x{key}"]
 
 
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_sent(server, settings):
+    """The hot routes (api/direct.py) read the whole body and only then checked the key; a client
+    that asked `Expect: 100-continue` was told to send it (session 27's review). FastAPI's routes
+    read the body first (its dependencies come after), so this holds for the direct routes."""
+    import socket
+
+    if not settings.direct_routes:
+        pytest.skip("FastAPI reads a body before it resolves the route's dependencies")
+    host, port = server.url.removeprefix("http://").split(":")
+    for path in ("/v1/memories", "/v1/memories/batch", "/v1/memories/search"):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         "Authorization: Bearer msk_not_a_key\r\nExpect: 100-continue\r\n"
+                         "Content-Length: 100000\r\n\r\n".encode())
+            sock.settimeout(10)
+            head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 401 "), head[:200]  # at once: no body sent, no 100 Continue first
+
+
+def test_paths_with_a_trailing_slash_are_404_not_redirected(client):
+    """A 307 to the path without its slash is followed with the same method by httpx and requests:
+    `DELETE /v1/memories/?user_id=u1` (a memory id left empty) deleted every memory of u1."""
+    memory = add(client)
+    for method, path in (("DELETE", "/v1/memories/?user_id=u1"), ("DELETE", "/v1/memories/%2F?user_id=u1"),
+                         ("GET", "/v1/memories/?user_id=u1"), ("POST", "/v1/memories/search/")):
+        response = client.request(method, path, json={"query": "tea", "user_id": "u1"} if method == "POST" else None,
+                                  follow_redirects=True)
+        assert response.status_code in (404, 405) and not response.history, (method, path, response.status_code)
+    assert_unchanged(client, memory)
+
+
 def test_malformed_authorization_header_is_401(server, client, subtests):
     for header in MALFORMED_AUTHORIZATION:
         with subtests.test(header=header), httpx.Client(

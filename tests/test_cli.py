@@ -505,3 +505,85 @@ def test_serve_with_workers_prepares_the_model_once_before_starting_them(tmp_pat
         log = log_path.read_text()
     assert len(list(models.glob("*-int8-per-token-w7-sym.onnx"))) == 1 and not list(models.glob("*.tmp"))
     assert "died" not in log and log.count("Started server process") == 2, log
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (or 10 s pass)."""
+    sock.settimeout(10)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return received
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_bounds_each_request_head_in_size_and_time(tmp_path, monkeypatch, workers):
+    """uvicorn kept every byte of an unfinished head (512 MiB of headers grew a server by 550 MiB) and
+    held connections that sent nothing, or a head a byte at a time, for good (session 27's review)."""
+    monkeypatch.setenv("MEMORY_SERVER_REQUEST_HEAD_TIMEOUT_SECONDS", "1")
+    with serving(tmp_path, "--workers", workers) as (url, data_dir, log_path):
+        host, port = "127.0.0.1", int(url.rsplit(":", 1)[1])
+        with socket.create_connection((host, port)) as huge:
+            huge.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for _ in range(64):  # 1 MiB of headers, never ended
+                    huge.sendall(b"X-Filler: " + b"a" * 16_000 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused and closed meanwhile
+            answer = _read_response(huge)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert b'"code": "request_header_fields_too_large"' in answer
+        with socket.create_connection((host, port)) as slow, socket.create_connection((host, port)) as silent:
+            slow.sendall(b"GET /healthz HTTP/1.1\r\nHo")  # and no more
+            started = time.monotonic()
+            assert _read_response(slow).startswith(b"HTTP/1.1 408 ")
+            assert _read_response(silent) == b""  # closed without a word
+            assert time.monotonic() - started < 8
+        # A normal request on a kept-alive connection is not hurried by the head's timer.
+        with httpx.Client(base_url=url) as client:
+            assert client.get("/healthz").status_code == 200
+            time.sleep(1.5)
+            assert client.get("/healthz").status_code == 200
+
+
+def test_serve_stops_on_sigterm_even_with_a_client_stalled_mid_body(tmp_path):
+    """One process waited for such a client for good; requests in hand now get 30 s."""
+    import signal
+
+    with serving(tmp_path) as (url, data_dir, log_path):
+        port = int(url.rsplit(":", 1)[1])
+        process = next(p for p in _serve_processes() if f"--port {port}" in p[1])
+        key = (data_dir / "bootstrap-admin.key").read_text().strip()
+        with socket.create_connection(("127.0.0.1", port)) as stalled:
+            stalled.sendall(b"POST /v1/memories/search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Authorization: Bearer " + key.encode() + b"\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"query\": ")
+            time.sleep(0.5)
+            started = time.monotonic()
+            os.kill(process[0], signal.SIGTERM)
+            while _alive(process[0]) and time.monotonic() - started < 60:
+                time.sleep(0.5)
+            assert not _alive(process[0]), "still running 60 s after SIGTERM"
+            assert 25 < time.monotonic() - started < 45  # it waited for the request in hand, then gave up
+
+
+def _serve_processes() -> list[tuple[int, str]]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                out.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+            except OSError:
+                pass
+    return [p for p in out if " serve " in p[1]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -68,16 +68,19 @@ class DirectRoutes:
         if direct is None:
             return await self.app(scope, receive, send)
         scope["route"] = direct.route
-        body = await _read_body(receive)
-        if body is None:  # the client left
-            return
-        response = await self._answer(direct, Headers(scope=scope), body)
-        await response(scope, receive, send)
+        response = await self._answer(direct, Headers(scope=scope), receive)
+        if response is not None:  # None: the client left
+            await response(scope, receive, send)
 
-    async def _answer(self, direct: DirectRoute, headers: Headers, body: bytes) -> Response:
+    async def _answer(self, direct: DirectRoute, headers: Headers, receive) -> Response | None:
         try:
             runtime = self.fastapi.state.runtime
+            # The key before the body: a request without a valid one is refused unread (and a client
+            # that asked `Expect: 100-continue` is not told to send it).
             principal = await principal_for(runtime, headers.get("authorization"))
+            body = await _read_body(receive)
+            if body is None:
+                return None
             request = _parse(direct.body, body, headers.get("content-type"))
             result = await in_thread(direct.call, runtime.memories, principal, request)
             return Response(result.model_dump_json(), media_type="application/json")

@@ -640,6 +640,9 @@ def test_unknown_or_garbage_memory_id_is_404(client, subtests):
             assert_error(client.delete(path), 404, None, "not_found")
             assert_error(client.get(f"{path}/history"), 404, None, "not_found")
     assert_unchanged(client, memory)
+    long_id = "x" * 6000  # the message names the id, cut short: the whole path came back in every 404
+    message = client.get(f"/v1/memories/{long_id}").json()["error"]["message"]
+    assert message.startswith("no memory 'xxxx") and len(message) < 100
 
 
 def test_memory_id_with_nul_byte_is_404_not_500(client):

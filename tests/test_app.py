@@ -216,3 +216,11 @@ def test_a_running_server_keeps_its_startup_objects_out_of_the_collectors_sight(
     finally:
         stop()
     assert gc.get_freeze_count() == 0
+
+
+def test_health_and_readiness_answer_head_as_load_balancers_probe(server):
+    with httpx.Client(base_url=server.url, timeout=30) as anonymous:
+        for path in ("/healthz", "/readyz"):
+            response = anonymous.head(path)
+            assert response.status_code == 200 and response.content == b"", (path, response.status_code)
+            assert anonymous.get(path).status_code == 200

@@ -25,6 +25,11 @@ async def readyz(runtime: RuntimeDep) -> JSONResponse:
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
 
+# HEAD too, as load balancers and uptime checks often probe (not in the OpenAPI document: the same answers).
+for _path, _probe in (("/healthz", healthz), ("/readyz", readyz)):
+    router.add_api_route(_path, _probe, methods=["HEAD"], include_in_schema=False)
+
+
 @router.get("/metrics", response_class=Response, responses={
     200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text format"},
     **documented_errors(401, 403, 422, 503)})

@@ -382,7 +382,7 @@ class VectorMemory:
         row = session.get(MemoryRecord, memory_id) if _is_uuid(memory_id) else None
         if (row is None or row.tenant_id != principal.tenant_id or not principal.can_see(row.user_id, row.agent_id)
                 or (row.expires_at is not None and row.expires_at <= utcnow())):
-            raise NotFound(f"no memory '{memory_id}'")
+            raise NotFound(f"no memory '{_quoted(memory_id)}'")
         return row
 
     def get(self, principal: Principal, memory_id: str) -> MemoryOut:
@@ -503,13 +503,13 @@ class VectorMemory:
 
     def history(self, principal: Principal, memory_id: str) -> list[HistoryEntry]:
         if not _is_uuid(memory_id):
-            raise NotFound(f"no memory '{memory_id}'")
+            raise NotFound(f"no memory '{_quoted(memory_id)}'")
         with Session(self.engine) as session:
             rows = session.exec(select(MemoryHistory).where(MemoryHistory.memory_id == memory_id,
                                                             MemoryHistory.tenant_id == principal.tenant_id)
                                 .order_by(MemoryHistory.id)).all()
         if not rows or not principal.can_see(rows[0].user_id, rows[0].agent_id):
-            raise NotFound(f"no memory '{memory_id}'")
+            raise NotFound(f"no memory '{_quoted(memory_id)}'")
         return [HistoryEntry(event=r.event, old_memory=r.old_memory, new_memory=r.new_memory, actor=r.actor,
                              created_at=r.created_at) for r in rows]
 
@@ -600,6 +600,11 @@ _LIVE_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(
 def _readable():
     """Rows for reading: the stored embedding (1.5 KB a row) stays in the database."""
     return select(MemoryRecord).options(defer(MemoryRecord.embedding), defer(MemoryRecord.context))
+
+
+def _quoted(memory_id: str) -> str:
+    """An id as an error message repeats it: a long one (a path of any length) cut short."""
+    return memory_id if len(memory_id) <= 64 else memory_id[:64] + "…"
 
 
 def _is_uuid(value) -> bool:

@@ -1,6 +1,7 @@
 """API keys (stored hashed, shown once) and the Principal a verified key stands for."""
 
 import hashlib
+import logging
 import os
 import secrets
 import threading
@@ -17,6 +18,7 @@ from memory_server.models import ApiKey, utcnow
 Role = Literal["admin", "agent"]
 ROLES = ("admin", "agent")
 KEY_PREFIX = "msk_"
+log = logging.getLogger("memory_server")
 # The tenant of the bootstrap admin key: the server's operator, who sees what spans every tenant (/metrics).
 OPERATOR_TENANT = "default"
 
@@ -138,15 +140,24 @@ class KeyCache:
 REVOCATIONS_FILE = "revocations"
 
 
-def record_revocation(data_dir: Path, key_id: str) -> None:
+def record_revocation(data_dir: Path, key_id: str) -> bool:
     """Tell every process on this data directory that a key was revoked (see KeyCache): one line
-    appended (O_APPEND: writers never overwrite each other, and the file only grows)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / REVOCATIONS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    appended (O_APPEND: writers never overwrite each other, and the file only grows). The key is
+    revoked in the database either way: when the file cannot be written (made by another user, say),
+    the error is logged, and other processes refuse the key within their cache's lifetime."""
     try:
-        os.write(fd, f"{utcnow().isoformat()} {key_id}\n".encode())
-    finally:
-        os.close(fd)
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(data_dir / REVOCATIONS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{utcnow().isoformat()} {key_id}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.error("key %s is revoked, but %s could not be written (%s): other server processes on this data "
+                  "directory refuse it only once their key cache expires", key_id, data_dir / REVOCATIONS_FILE,
+                  exc.strerror or exc)
+        return False
+    return True
 
 
 def hash_key(key: str) -> str:

@@ -249,9 +249,17 @@ def keys_revoke(key_id: str, data_dir: DataDir = None) -> None:
 
     with _key_session(data_dir) as session:
         revoke_key(session, key_id)
-    record_revocation(_settings(data_dir).data_dir, key_id)
+    if not record_revocation(_settings(data_dir).data_dir, key_id):
+        typer.echo("warning: servers on this data directory refuse the key once their key cache expires "
+                   "(MEMORY_SERVER_KEY_CACHE_SECONDS), not at once", err=True)
     print(f"revoked {key_id}")
 
 
 def main() -> None:
-    app()
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        app()
+    except DBAPIError as exc:  # the database is down, missing or refuses us: say so, no traceback
+        typer.echo(f"error: the database cannot be used: {str(exc.orig or exc).strip().splitlines()[0]}", err=True)
+        raise SystemExit(1) from None

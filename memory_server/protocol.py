@@ -32,7 +32,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._reading_head:
-            if self._head_timer is None:  # the first bytes of a later request on this connection
+            if self._head_timer is None and not self._busy():  # a later request's first bytes
                 self._head_timer = self.loop.call_later(self.head_timeout, self._head_too_slow)
             self._head_bytes += len(data)
             if self._head_bytes > HEAD_LIMIT:
@@ -50,6 +50,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._reading_head = True  # the next request's head: its timer starts with its first byte
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A head that began arriving while a response was being made is timed from now: a slow
+        # response (a large batch) must not be cut off by the timer of the request behind it.
+        if (self._reading_head and self._head_bytes and self._head_timer is None and not self._busy()
+                and not self.transport.is_closing()):
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_too_slow)
+
+    def _busy(self) -> bool:
+        """A request on this connection is still being answered (or waits behind one)."""
+        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+
     def connection_lost(self, exc) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
@@ -61,8 +73,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_too_slow(self) -> None:
         self._head_timer = None
-        if not self._reading_head or self.transport.is_closing():
-            return
+        if not self._reading_head or self.transport.is_closing() or self._busy():
+            return  # (busy: timed again once its response is out)
         if self._head_bytes:
             self._refuse(408, "request_timeout", "Request Timeout",
                          f"the request's head did not arrive within {self.head_timeout:g} s")

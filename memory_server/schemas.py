@@ -236,9 +236,10 @@ MAX_KEY_IDS = 1000
 def _one_line(label: str) -> str:
     """A key's label is one line of text: `keys list` prints one tab-separated line per key."""
     if not is_unicode(label):
-        raise ValueError("label must be valid Unicode (it holds a lone surrogate such as \\ud800)")
+        raise PydanticCustomError("label", "must be valid Unicode (it holds a lone surrogate such as \\ud800)")
     if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in label):
-        raise ValueError("label must not contain control characters (tab, newline, …) or line separators")
+        raise PydanticCustomError("label", "must not contain control characters (tab, newline, …) or line "
+                                  "separators")
     return label
 
 

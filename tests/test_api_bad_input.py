@@ -118,6 +118,9 @@ def test_a_request_without_a_valid_key_is_refused_before_its_body_is_sent(server
             sock.settimeout(10)
             head = sock.recv(65536)
         assert head.startswith(b"HTTP/1.1 401 "), head[:200]  # at once: no body sent, no 100 Continue first
+        # The body was never read: the connection cannot carry another request (the next one would be
+        # taken as that body), so the server closes it.
+        assert b"\r\nconnection: close\r\n" in head.lower(), head[:400]
 
 
 def test_paths_with_a_trailing_slash_are_404_not_redirected(client):
@@ -177,6 +180,7 @@ def test_a_key_label_of_more_than_one_line_is_422(client, subtests):
         with subtests.test(repr(label)):
             response = client.post("/v1/admin/keys", json={"role": "agent", "label": label})
             assert_error(response, 422, "label", "invalid_input")
+            assert response.json()["error"]["message"].startswith("label: must not contain control characters")
     assert expect_status(client.post("/v1/admin/keys", json={"role": "agent", "label": "Café ops — laptop"}), 201)
 
 

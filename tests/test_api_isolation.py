@@ -441,3 +441,21 @@ def test_metrics_are_for_the_operators_unrestricted_admin_keys(server, admin):
         with server.client(key) as c:
             assert_status(c.get("/metrics"), 403, "forbidden")
     expect_status(admin.get("/metrics"), 200)
+
+
+def test_a_revocation_file_that_cannot_be_written_still_revokes(server, admin, keys, caplog):
+    """The revocation was committed, then writing the file failed: a 500, and the key kept working
+    (the cache was cleared only after the write). A review of session 27's change."""
+    revocations = server.settings.data_dir / "revocations"
+    revocations.unlink(missing_ok=True)
+    revocations.mkdir()  # unwritable as a file, even for root
+    try:
+        key_id, key = new_key(admin, "agent", user_ids=["alice"])
+        client = keys(key)
+        expect_status(client.get("/v1/memories"), 200)  # cached
+        with caplog.at_level("ERROR", logger="memory_server"):
+            assert expect_status(admin.delete(f"/v1/admin/keys/{key_id}"), 200).json()["revoked_at"] is not None
+        assert "could not be written" in caplog.text
+        assert_status(client.get("/v1/memories"), 401, "unauthorized")
+    finally:
+        revocations.rmdir()

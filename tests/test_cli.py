@@ -1,5 +1,6 @@
 """The memory-server command, run as a user would: serve, keys, reindex."""
 
+import json
 import os
 import shutil
 import socket
@@ -549,6 +550,26 @@ def test_serve_bounds_each_request_head_in_size_and_time(tmp_path, monkeypatch, 
             assert client.get("/healthz").status_code == 200
 
 
+def test_a_slow_response_is_not_cut_off_by_the_head_timer_of_the_request_behind_it(tmp_path, monkeypatch):
+    """A head that began arriving while a batch add was being answered got a 408 at the head timeout,
+    and the batch's own 200 never came (a review of session 27's change): it is now timed from the
+    moment the response is out."""
+    monkeypatch.setenv("MEMORY_SERVER_REQUEST_HEAD_TIMEOUT_SECONDS", "0.3")
+    with serving(tmp_path) as (url, data_dir, log_path):
+        key = (data_dir / "bootstrap-admin.key").read_text().strip()
+        items = [{"text": f"Ola's note number {i} about the harbour", "user_id": "ola"} for i in range(600)]
+        body = json.dumps({"items": items}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+            sock.sendall(b"POST /v1/memories/batch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\n\r\n" + body)
+            time.sleep(0.1)  # the batch is being embedded (600 texts: well over 0.3 s)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHo")  # and no more
+            answer = _read_response(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert b"HTTP/1.1 408 " in answer  # then the stalled head, timed from the batch's answer
+
+
 def test_serve_stops_on_sigterm_even_with_a_client_stalled_mid_body(tmp_path):
     """One process waited for such a client for good; requests in hand now get 30 s."""
     import signal
@@ -587,3 +608,11 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_database_that_cannot_be_reached_is_one_error_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMORY_SERVER_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/nothing")
+    for command in (("keys", "list"), ("keys", "revoke", "key_x"), ("reindex",)):
+        result = run_cli(*command, data_dir=tmp_path, check=False)
+        assert result.returncode == 1, (command, result.stderr)
+        assert "Traceback" not in result.stderr and "error: the database cannot be used: " in result.stderr, result.stderr

@@ -68,11 +68,17 @@ class DirectRoutes:
         if direct is None:
             return await self.app(scope, receive, send)
         scope["route"] = direct.route
-        response = await self._answer(direct, Headers(scope=scope), receive)
-        if response is not None:  # None: the client left
-            await response(scope, receive, send)
+        read = []  # the body, once read
+        response = await self._answer(direct, Headers(scope=scope), receive, read)
+        if response is None:  # the client left
+            return
+        if not read:
+            # Answered before the body was read: whether the client sends it anyway or not (it may
+            # not, after `Expect: 100-continue`), the connection cannot carry another request.
+            response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
-    async def _answer(self, direct: DirectRoute, headers: Headers, receive) -> Response | None:
+    async def _answer(self, direct: DirectRoute, headers: Headers, receive, read: list) -> Response | None:
         try:
             runtime = self.fastapi.state.runtime
             # The key before the body: a request without a valid one is refused unread (and a client
@@ -81,6 +87,7 @@ class DirectRoutes:
             body = await _read_body(receive)
             if body is None:
                 return None
+            read.append(body)
             request = _parse(direct.body, body, headers.get("content-type"))
             result = await in_thread(direct.call, runtime.memories, principal, request)
             return Response(result.model_dump_json(), media_type="application/json")

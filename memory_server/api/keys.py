@@ -42,8 +42,8 @@ def _list(runtime: Runtime, principal: Principal) -> KeyList:
 async def revoke_api_key(key_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> KeyPublic:
     principal.require_key_manager()
     revoked = await in_thread(_revoke, runtime, principal, key_id)
-    record_revocation(runtime.settings.data_dir, key_id)  # the other workers on this data directory
     runtime.keys.clear()
+    record_revocation(runtime.settings.data_dir, key_id)  # the other workers on this data directory
     return revoked
 
 

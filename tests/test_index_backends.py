@@ -2,6 +2,7 @@
 and a congruence check: the same data gives the same ids in the same order on both."""
 
 from contextlib import closing
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -129,6 +130,13 @@ def test_contract_search_batch_answers_each_query_as_search_would(backend_runtim
     assert [ranked(hits) for hits in batched] == [ranked(index.search(q)) for q in queries]
     assert len(batched[0]) == 3 and batched[1] == [] and len(batched[2]) == 1 and batched[4] == []
     assert index.search_batch([]) == []
+    # min_score (the dedup check's): only the dense hits at least that close, in one batch as alone.
+    plain = queries[0]
+    cut = (batched[0][0].score + batched[0][1].score) / 2
+    close = replace(plain, min_score=cut)
+    assert [h.id for h in index.search(close)] == [batched[0][0].id]
+    assert [[h.id for h in hits] for hits in index.search_batch([close, plain])] == [
+        [batched[0][0].id], [h.id for h in batched[0]]]
 
 
 def test_edge_and_qdrant_server_return_the_same_ids_in_the_same_order(tmp_path, embedder, admin):

@@ -258,7 +258,9 @@ class VectorMemory:
         threshold = self.settings.dedup_threshold
         wanted = [i for i, (p, _) in enumerate(group) if not p.context and (p.scope, text_hash(p.text)) not in existing]
         alive = (Field("expires_at", "gt", now.timestamp()),) if self.index.may_hold_expired(now.timestamp()) else ()
-        queries = [IndexQuery(mode="dense", limit=NEAR_CANDIDATES, dense=group[i][1].tolist(), filter=All((
+        # Only the close ones come back (min_score): the rest cost the index's answer and Python
+        # objects for nothing (8 ids a memory, ~5% of a batch add's calling thread at 10k).
+        queries = [IndexQuery(mode="dense", limit=NEAR_CANDIDATES, dense=group[i][1].tolist(), min_score=threshold, filter=All((
             Field("scope", "eq", scope_key(principal.tenant_id, *group[i][0].scope)), *alive,
         ))) for i in wanted]
         with stage("index"):

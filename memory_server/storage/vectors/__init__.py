@@ -32,6 +32,7 @@ class IndexQuery:
     candidates: int = 100
     rrf_k: int = 60
     weights: tuple[float, float] = (1.0, 1.0)  # (dense, keyword) in hybrid fusion
+    min_score: float | None = None  # dense: only hits with a cosine at least this (the dedup check's)
 
 
 @dataclass(frozen=True)

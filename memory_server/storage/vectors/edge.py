@@ -326,7 +326,8 @@ class EdgeIndex:
         without searchable terms)."""
         flt = qe.Filter(must=[_translate(query.filter)])
         if query.mode == "dense":
-            return qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt)
+            return qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt,
+                                   score_threshold=query.min_score)
         if query.mode == "keyword":
             if not query.sparse or not query.sparse.indices:
                 return None

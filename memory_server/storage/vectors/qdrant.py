@@ -140,7 +140,8 @@ def _request(query: IndexQuery) -> models.QueryRequest | None:
     if query.sparse and query.sparse.indices:
         sparse = models.SparseVector(indices=query.sparse.indices, values=query.sparse.values)
     if query.mode == "dense":
-        return models.QueryRequest(query=query.dense, using="dense", filter=flt, limit=query.limit)
+        return models.QueryRequest(query=query.dense, using="dense", filter=flt, limit=query.limit,
+                                   score_threshold=query.min_score)
     if query.mode == "keyword":
         if sparse is None:
             return None

@@ -682,7 +682,7 @@ def test_wrong_method_is_405_and_allow_names_every_method_of_the_path(client, su
                                   ("PUT", "/v1/memories/01a2", "DELETE, GET, PATCH"),
                                   ("POST", "/v1/memories/01a2/history", "GET"),
                                   ("GET", "/v1/admin/keys/key_1", "DELETE"),
-                                  ("POST", "/healthz", "GET")):
+                                  ("POST", "/healthz", "GET, HEAD"), ("DELETE", "/readyz", "GET, HEAD")):
         with subtests.test(f"{method} {path}"):
             response = client.request(method, path)
             assert_error(response, 405, None, "method_not_allowed")

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -17,7 +18,7 @@ from memory_server import __version__
 from memory_server.api import health, keys, memories
 from memory_server.api.direct import DirectRoutes, direct_routes
 from memory_server.api.responses import (
-    DATABASE_UNAVAILABLE, database_unavailable_response, domain_error_response, error_response,
+    DATABASE_UNAVAILABLE, caused_by_outage, database_unavailable_response, domain_error_response, error_response,
     internal_error_response, validation_error_response,
 )
 from memory_server.config import Settings
@@ -124,6 +125,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     for kind in DATABASE_UNAVAILABLE:
         app.add_exception_handler(kind, lambda _, exc: database_unavailable_response(exc))
+
+    @app.exception_handler(DBAPIError)
+    async def _database_error(_: Request, exc: DBAPIError):
+        if caused_by_outage(exc):
+            return database_unavailable_response(exc)
+        log.exception("unhandled error")
+        return internal_error_response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -224,3 +224,29 @@ def test_health_and_readiness_answer_head_as_load_balancers_probe(server):
             response = anonymous.head(path)
             assert response.status_code == 200 and response.content == b"", (path, response.status_code)
             assert anonymous.get(path).status_code == 200
+
+
+def test_a_database_error_that_an_outage_caused_is_an_outage():
+    """In an outage SQLAlchemy's pre-ping met a socket closed mid-ping (psycopg's OperationalError),
+    then failed to restore autocommit and raised a ProgrammingError: that was a 500 (seen once in
+    tests/test_database_outage.py). Such an error is answered 503 like the outage itself."""
+    import sqlite3
+
+    import psycopg
+    from sqlalchemy.exc import ProgrammingError
+
+    from memory_server.api.responses import caused_by_outage
+
+    try:
+        try:
+            raise psycopg.OperationalError("connection socket closed")
+        except psycopg.OperationalError:
+            raise psycopg.ProgrammingError("can't change 'autocommit' now: connection in transaction status ACTIVE")
+    except psycopg.ProgrammingError as exc:
+        try:
+            raise ProgrammingError("SELECT 1", {}, exc) from exc
+        except ProgrammingError as wrapped:
+            in_ping = wrapped
+    assert caused_by_outage(in_ping)
+    assert caused_by_outage(sqlite3.OperationalError("database is locked"))
+    assert not caused_by_outage(ProgrammingError("SELEC 1", {}, psycopg.ProgrammingError("syntax error")))

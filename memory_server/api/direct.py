@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from memory_server.api.deps import principal_for
 from memory_server.api.responses import (
-    DATABASE_UNAVAILABLE, database_unavailable_response, domain_error_response, internal_error_response,
+    DATABASE_UNAVAILABLE, caused_by_outage, database_unavailable_response, domain_error_response, internal_error_response,
     validation_error_response,
 )
 from memory_server.errors import BadRequest, MemoryServerError
@@ -97,7 +97,9 @@ class DirectRoutes:
             return validation_error_response(exc.errors(include_url=False))
         except DATABASE_UNAVAILABLE as exc:
             return database_unavailable_response(exc)
-        except Exception:
+        except Exception as exc:
+            if caused_by_outage(exc):
+                return database_unavailable_response(exc)
             log.exception("unhandled error")
             return internal_error_response()
 

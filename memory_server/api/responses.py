@@ -72,6 +72,20 @@ log = logging.getLogger("memory_server")
 DATABASE_UNAVAILABLE = (OperationalError, InterfaceError, PoolTimeout)
 
 
+def caused_by_outage(exc: BaseException) -> bool:
+    """Whether another database error was caused by the database going away: SQLAlchemy's pre-ping on
+    PostgreSQL, its socket closed mid-ping (psycopg's OperationalError), then failed to restore
+    autocommit and raised a ProgrammingError instead (a 500 in an outage test). The driver's own
+    classes are PEP 249's, named alike in psycopg and sqlite3."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DATABASE_UNAVAILABLE) or type(exc).__name__ in ("OperationalError", "InterfaceError"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def database_unavailable_response(exc: Exception) -> JSONResponse:
     log.warning("database unavailable: %s", str(exc).splitlines()[0])
     return domain_error_response(Unavailable("the database is unavailable; the request was not completed, retry later"))

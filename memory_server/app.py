@@ -123,15 +123,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail),
                               headers=headers)
 
-    for kind in DATABASE_UNAVAILABLE:
-        app.add_exception_handler(kind, lambda _, exc: database_unavailable_response(exc))
-
-    @app.exception_handler(DBAPIError)
-    async def _database_error(_: Request, exc: DBAPIError):
+    async def _database_error(_: Request, exc: Exception):
         if caused_by_outage(exc):
             return database_unavailable_response(exc)
         log.exception("unhandled error")
         return internal_error_response()
+
+    for kind in (DBAPIError, *DATABASE_UNAVAILABLE):  # an outage's errors, and database errors it caused
+        app.add_exception_handler(kind, _database_error)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

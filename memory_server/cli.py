@@ -1,7 +1,6 @@
 """The memory-server command: serve, keys, reindex."""
 
 import logging
-import unicodedata
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -64,9 +63,8 @@ def serve(
     workers: Annotated[Optional[int], typer.Option(help="Server processes (MEMORY_SERVER_WORKERS).")] = None,
 ) -> None:
     """Run the HTTP server (embedded SQLite + Qdrant Edge unless URLs are configured)."""
-    import os
-
     import functools
+    import os
 
     import uvicorn
 
@@ -184,12 +182,6 @@ def _key_session(data_dir: Path | None):
         engine.dispose()
 
 
-def _is_control(character: str) -> bool:
-    """Tab, newline and the like, and Unicode's line and paragraph separators: they would break
-    `keys list`'s tab-separated lines."""
-    return unicodedata.category(character) in ("Cc", "Zl", "Zp")
-
-
 def _check_label(label: str) -> None:
     """A label as the HTTP API takes it (KeyCreate: its length, one line)."""
     from memory_server.schemas import KeyCreate
@@ -202,7 +194,9 @@ def _check_label(label: str) -> None:
 
 def _shown(label: str) -> str:
     """A label on one `keys list` field: control characters written as escapes (\\t, \\n, …)."""
-    return "".join(c.encode("unicode_escape").decode() if _is_control(c) else c for c in label)
+    from memory_server.schemas import is_line_break_or_control
+
+    return "".join(c.encode("unicode_escape").decode() if is_line_break_or_control(c) else c for c in label)
 
 
 @keys_app.command("create")

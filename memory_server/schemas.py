@@ -233,11 +233,16 @@ class HistoryResponse(BaseModel):
 MAX_KEY_IDS = 1000
 
 
+def is_line_break_or_control(character: str) -> bool:
+    """Tab, newline and other control characters, and Unicode's line and paragraph separators."""
+    return unicodedata.category(character) in ("Cc", "Zl", "Zp")
+
+
 def _one_line(label: str) -> str:
     """A key's label is one line of text: `keys list` prints one tab-separated line per key."""
     if not is_unicode(label):
         raise PydanticCustomError("label", "must be valid Unicode (it holds a lone surrogate such as \\ud800)")
-    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in label):
+    if any(is_line_break_or_control(c) for c in label):
         raise PydanticCustomError("label", "must not contain control characters (tab, newline, …) or line "
                                   "separators")
     return label

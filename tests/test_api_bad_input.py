@@ -101,26 +101,31 @@ MALFORMED_AUTHORIZATION = ["Basic dXNlcjpwYXNz", "Bearer", "{key}", "Bearer{key}
                            "Bearer {key}x", "Bearer x{key}"]
 
 
-def test_a_request_without_a_valid_key_is_refused_before_its_body_is_sent(server, settings):
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_sent(tmp_path, embedder):
     """The hot routes (api/direct.py) read the whole body and only then checked the key; a client
-    that asked `Expect: 100-continue` was told to send it (session 27's review). FastAPI's routes
-    read the body first (its dependencies come after), so this holds for the direct routes."""
+    that asked `Expect: 100-continue` was told to send it (session 27's review). FastAPI's own routes
+    read a body before they resolve the key dependency, so this runs with the direct routes on (the
+    default) only."""
     import socket
 
-    if not settings.direct_routes:
-        pytest.skip("FastAPI reads a body before it resolves the route's dependencies")
+    from conftest import start_server
+
+    server, stop = start_server(make_settings(tmp_path / "data", direct_routes=True), embedder)
     host, port = server.url.removeprefix("http://").split(":")
-    for path in ("/v1/memories", "/v1/memories/batch", "/v1/memories/search"):
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         "Authorization: Bearer msk_not_a_key\r\nExpect: 100-continue\r\n"
-                         "Content-Length: 100000\r\n\r\n".encode())
-            sock.settimeout(10)
-            head = sock.recv(65536)
-        assert head.startswith(b"HTTP/1.1 401 "), head[:200]  # at once: no body sent, no 100 Continue first
-        # The body was never read: the connection cannot carry another request (the next one would be
-        # taken as that body), so the server closes it.
-        assert b"\r\nconnection: close\r\n" in head.lower(), head[:400]
+    try:
+        for path in ("/v1/memories", "/v1/memories/batch", "/v1/memories/search"):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             "Authorization: Bearer msk_not_a_key\r\nExpect: 100-continue\r\n"
+                             "Content-Length: 100000\r\n\r\n".encode())
+                sock.settimeout(10)
+                head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 401 "), head[:200]  # at once: no body sent, no 100 Continue first
+            # The body was never read: the connection cannot carry another request (the next one would
+            # be taken as that body), so the server closes it.
+            assert b"\r\nconnection: close\r\n" in head.lower(), head[:400]
+    finally:
+        stop()
 
 
 def test_paths_with_a_trailing_slash_are_404_not_redirected(client):

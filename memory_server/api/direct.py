@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from memory_server.api.deps import principal_for
 from memory_server.api.responses import (
-    DATABASE_UNAVAILABLE, caused_by_outage, database_unavailable_response, domain_error_response, internal_error_response,
+    caused_by_outage, database_unavailable_response, domain_error_response, internal_error_response,
     validation_error_response,
 )
 from memory_server.errors import BadRequest, MemoryServerError
@@ -68,17 +68,18 @@ class DirectRoutes:
         if direct is None:
             return await self.app(scope, receive, send)
         scope["route"] = direct.route
-        read = []  # the body, once read
-        response = await self._answer(direct, Headers(scope=scope), receive, read)
+        response, body_read = await self._answer(direct, Headers(scope=scope), receive)
         if response is None:  # the client left
             return
-        if not read:
+        if not body_read:
             # Answered before the body was read: whether the client sends it anyway or not (it may
             # not, after `Expect: 100-continue`), the connection cannot carry another request.
             response.headers["connection"] = "close"
         await response(scope, receive, send)
 
-    async def _answer(self, direct: DirectRoute, headers: Headers, receive, read: list) -> Response | None:
+    async def _answer(self, direct: DirectRoute, headers: Headers, receive) -> tuple[Response | None, bool]:
+        """The response (None: the client left), and whether the body was read."""
+        body = None
         try:
             runtime = self.fastapi.state.runtime
             # The key before the body: a request without a valid one is refused unread (and a client
@@ -86,22 +87,21 @@ class DirectRoutes:
             principal = await principal_for(runtime, headers.get("authorization"))
             body = await _read_body(receive)
             if body is None:
-                return None
-            read.append(body)
+                return None, True
             request = _parse(direct.body, body, headers.get("content-type"))
             result = await in_thread(direct.call, runtime.memories, principal, request)
-            return Response(result.model_dump_json(), media_type="application/json")
+            response = Response(result.model_dump_json(), media_type="application/json")
         except MemoryServerError as exc:
-            return domain_error_response(exc)
+            response = domain_error_response(exc)
         except ValidationError as exc:
-            return validation_error_response(exc.errors(include_url=False))
-        except DATABASE_UNAVAILABLE as exc:
-            return database_unavailable_response(exc)
+            response = validation_error_response(exc.errors(include_url=False))
         except Exception as exc:
-            if caused_by_outage(exc):
-                return database_unavailable_response(exc)
-            log.exception("unhandled error")
-            return internal_error_response()
+            if caused_by_outage(exc):  # the database down, or an error that caused
+                response = database_unavailable_response(exc)
+            else:
+                log.exception("unhandled error")
+                response = internal_error_response()
+        return response, body is not None
 
 
 def _parse(model: type[BaseModel], body: bytes, content_type: str | None) -> BaseModel:

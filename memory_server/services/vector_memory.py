@@ -28,7 +28,7 @@ from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, new_memory_ids, utcnow
 from memory_server.schemas import (
     AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
-    UpdateRequest,
+    UpdateRequest, parse_time,
 )
 from memory_server.services.filters import bounds_scope, parse_filters, restrict
 from memory_server.services.index_sync import IndexSync, change_log_head, point_for, scope_key
@@ -633,10 +633,8 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         created, last_id = json.loads(base64.urlsafe_b64decode(padded))
         if not _is_uuid(last_id):
             raise ValueError(last_id)
-        moment = datetime.fromisoformat(created)
-        # In UTC here: a time near the calendar's ends in another zone (9999-12-31T23:59:59-05:00) has
-        # no UTC value, and failed later, as the query's parameter (a 500).
-        return (moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc),
-                str(last_id))
+        # In UTC here (parse_time): a time near the calendar's ends in another zone
+        # (9999-12-31T23:59:59-05:00) has no UTC value, and failed later, as the query's parameter (a 500).
+        return parse_time(created), str(last_id)
     except Exception:
         raise BadRequest("cursor is not one this server issued", field="cursor", code="invalid_cursor") from None

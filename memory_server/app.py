@@ -12,14 +12,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import Match, Route
 
 from memory_server import __version__
 from memory_server.api import health, keys, memories
+from memory_server.api.deps import PRINCIPAL, principal_for
 from memory_server.api.direct import DirectRoutes, direct_routes
 from memory_server.api.responses import (
     DATABASE_UNAVAILABLE, caused_by_outage, database_unavailable_response, domain_error_response, error_response,
-    internal_error_response, validation_error_response,
+    internal_error_response, response_for_error, validation_error_response,
 )
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
     if settings.direct_routes:
         front = DirectRoutes(front, app, direct_routes(memories.router, memories.DIRECT))
     front = BodyLimit(front, max_bytes=settings.max_body_bytes)
+    front = KeyFirst(front, app)
     app.front = ObserveRequests(front, metrics=app.state.metrics, server_timing=settings.server_timing)
     return app
 
@@ -184,6 +186,44 @@ class ObserveRequests:
             for name, seconds in finished.items():
                 if name != "app":  # the latency histogram's
                     self.metrics.stages.labels(path, name).observe(seconds)
+
+
+class KeyFirst:
+    """Every route under /v1/ needs a key: it is verified here, before anything reads the request's
+    body, and left in the scope for the route (deps.PRINCIPAL). A request without a valid key is
+    answered 401 unread, so an unauthenticated client cannot make the server take in a body (up to
+    the size limit, or a chunked one) or tell it to send one (`Expect: 100-continue`). Such an answer
+    closes a connection whose request announced a body: the client may send it anyway, and it would
+    be read as the next request."""
+
+    def __init__(self, app, fastapi: FastAPI):
+        self.app = app
+        self.fastapi = fastapi
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        try:
+            authorization = headers.get(b"authorization")
+            scope[PRINCIPAL] = await principal_for(self.fastapi.state.runtime,
+                                                   authorization.decode("latin-1") if authorization else None)
+        except Exception as exc:
+            response = response_for_error(exc)
+            if headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers:
+                response.headers["connection"] = "close"
+            scope.setdefault("route", _route_of(self.fastapi, scope))  # /metrics counts it by route
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _route_of(app: FastAPI, scope):
+    """The route a request's path and method match, if any."""
+    for route in (*app.router.routes, *(route for router in ROUTERS for route in router.routes)):
+        # (an included router stands in the app's list as one entry, which is not a Route)
+        if isinstance(route, Route) and route.matches(scope)[0] is Match.FULL:
+            return route
+    return None
 
 
 class BodyLimit:

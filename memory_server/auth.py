@@ -3,6 +3,7 @@
 import hashlib
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -12,12 +13,14 @@ from typing import Literal
 
 from sqlmodel import Session, select
 
-from memory_server.errors import Forbidden, InvalidInput, NotFound, Unauthorized
+from memory_server.errors import Forbidden, InvalidInput, NotFound, Unauthorized, quoted_id
 from memory_server.models import ApiKey, utcnow
 
 Role = Literal["admin", "agent"]
 ROLES = ("admin", "agent")
 KEY_PREFIX = "msk_"
+KEY_ID_PREFIX = "key_"
+_KEY_ID = re.compile(KEY_ID_PREFIX + "[0-9a-f]{16}")
 log = logging.getLogger("memory_server")
 # The tenant of the bootstrap admin key: the server's operator, who sees what spans every tenant (/metrics).
 OPERATOR_TENANT = "default"
@@ -63,21 +66,23 @@ class Principal:
         """The values a restricted key may touch for `user_id`/`agent_id`; empty = unrestricted."""
         return {"user_id": self.user_ids, "agent_id": self.agent_ids}.get(kind, ())
 
-    def check_value(self, kind: str, value: str | None) -> None:
+    def check_value(self, kind: str, value: str | None, field_prefix: str = "") -> None:
         allowed = self.allowed(kind)
         if allowed and value is not None and value not in allowed:
-            raise Forbidden(f"this key may not access {kind} '{value}'", field=kind)
+            raise Forbidden(f"this key may not access {kind} '{value}'", field=field_prefix + kind)
 
-    def resolve_write_scope(self, user_id: str | None, agent_id: str | None) -> tuple[str | None, str | None]:
-        """Fill in the key's own id when it is restricted to exactly one, and refuse any other."""
+    def resolve_write_scope(self, user_id: str | None, agent_id: str | None,
+                            field_prefix: str = "") -> tuple[str | None, str | None]:
+        """Fill in the key's own id when it is restricted to exactly one, and refuse any other
+        (`field_prefix` places the field in the request: `items[3].`)."""
         resolved = []
         for kind, value in (("user_id", user_id), ("agent_id", agent_id)):
             allowed = self.allowed(kind)
             if allowed and value is None:
                 if len(allowed) > 1:
-                    raise Forbidden(f"this key is restricted to several {kind}s; name one", field=kind)
+                    raise Forbidden(f"this key is restricted to several {kind}s; name one", field=field_prefix + kind)
                 value = allowed[0]
-            self.check_value(kind, value)
+            self.check_value(kind, value, field_prefix)
             resolved.append(value)
         return resolved[0], resolved[1]
 
@@ -91,8 +96,8 @@ class KeyCache:
     authenticate. Failed lookups are never cached.
 
     A revocation appends a line to the data directory's revocation file (`revocations`: the server's
-    API and the CLI both do), and every lookup first compares that file's size with the size it last
-    saw (one `stat`, ~2 µs): so a revocation takes effect at once in every process on that data
+    API and the CLI both do), and every lookup first compares that file's size, modification time and
+    inode with what it last saw (one `stat`, ~2 µs; the file replaced or truncated counts too): so a revocation takes effect at once in every process on that data
     directory (all workers of `serve --workers N`), and on replicas elsewhere within `ttl` seconds.
     A key verified while a revocation happened is not cached (`generation`), so a request that read
     the key just before the revocation committed cannot put it back for another `ttl`."""
@@ -100,20 +105,21 @@ class KeyCache:
     def __init__(self, ttl: float, revocations: Path | None = None):
         self.ttl = ttl
         self.revocations = revocations
-        self._seen = self._revocations_size()
+        self._seen = self._revocations_state()
         self.generation = 0  # moves on every clear: a verification that spans one is not cached
         self._entries: dict[str, tuple[float, Principal]] = {}
         self._lock = threading.Lock()
 
-    def _revocations_size(self) -> int:
+    def _revocations_state(self) -> tuple[int, int, int] | None:
         try:
-            return os.stat(self.revocations).st_size if self.revocations else 0
+            found = os.stat(self.revocations) if self.revocations else None
         except FileNotFoundError:
-            return 0
+            return None
+        return (found.st_size, found.st_mtime_ns, found.st_ino) if found else None
 
     def peek(self, key: str) -> Principal | None:
         """The cached principal for a key, or None when it must be verified."""
-        if self.revocations is not None and self._revocations_size() != self._seen:
+        if self.revocations is not None and self._revocations_state() != self._seen:
             self.clear()
         with self._lock:
             hit = self._entries.get(hash_key(key))
@@ -132,7 +138,7 @@ class KeyCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._seen = self._revocations_size()
+            self._seen = self._revocations_state()
             self.generation += 1
             self._entries.clear()
 
@@ -182,7 +188,7 @@ def create_key(session: Session, *, tenant_id: str, role: str, user_ids: list[st
             raise InvalidInput(f"a key may be restricted to at most {MAX_KEY_IDS} {kind}", field=kind)
         for value in values:
             validate_scope_id(value, kind)
-    key_id = "key_" + secrets.token_hex(8)
+    key_id = KEY_ID_PREFIX + secrets.token_hex(8)
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(id=key_id, tenant_id=tenant_id, role=role, key_hash=hash_key(plaintext),
                  user_ids=sorted(set(user_ids or [])), agent_ids=sorted(set(agent_ids or [])), label=label,
@@ -208,9 +214,11 @@ def list_keys(session: Session, tenant_id: str | None = None) -> list[ApiKey]:
 
 
 def revoke_key(session: Session, key_id: str, tenant_id: str | None = None) -> ApiKey:
-    row = session.get(ApiKey, key_id)
+    # Only an id of the form keys are given is looked up: PostgreSQL refuses a NUL in a text
+    # parameter with an error (a 500), where "no such key" is the answer.
+    row = session.get(ApiKey, key_id) if _KEY_ID.fullmatch(key_id) else None
     if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
-        raise NotFound(f"no key '{key_id}'")
+        raise NotFound(f"no key '{quoted_id(key_id)}'")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
         session.add(row)

@@ -18,6 +18,11 @@ class MemoryServerError(Exception):
         return {"error": {"code": self.code, "message": self.message, "field": self.field}}
 
 
+def quoted_id(value: str) -> str:
+    """An id as an error message repeats it: a long one (a path of any length) cut short."""
+    return value if len(value) <= 64 else value[:64] + "…"
+
+
 class BadRequest(MemoryServerError):
     status, code = 400, "bad_request"
 

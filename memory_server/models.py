@@ -118,7 +118,8 @@ class ChangeLogEntry(SQLModel, table=True):
     position: int | None = Field(default=None, sa_column=Column(_BigIntId, primary_key=True, autoincrement=True))
     tenant_id: str = Field(max_length=128)
     memory_id: str = Field(max_length=36)
-    op: str = Field(max_length=8)  # "upsert" | "delete"
+    # "add" (a new memory's first entry: services/index_sync.py _changes) | "upsert" | "delete"
+    op: str = Field(max_length=8)
     created_at: datetime = Field(sa_column=_time_column())
 
 

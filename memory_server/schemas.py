@@ -18,7 +18,8 @@ ScopeId = Annotated[str, StringConstraints(pattern=SCOPE_ID_PATTERN)]
 
 
 def validate_scope_id(value: str, field: str) -> str:
-    if not isinstance(value, str) or not _SCOPE_ID.match(value):
+    # fullmatch: the pattern's `$` also matches before a final newline ("bob\n" was a key's user id).
+    if not isinstance(value, str) or not _SCOPE_ID.fullmatch(value):
         raise InvalidInput(f"{field} must be 1-128 characters of A-Z a-z 0-9 . _ : @ -", field=field)
     return value
 
@@ -90,6 +91,22 @@ def _unicode_text(value: str) -> str:
 UnicodeText = Annotated[str, AfterValidator(_unicode_text)]
 
 
+def is_line_break_or_control(character: str) -> bool:
+    """Tab, newline and other control characters (NUL too), and Unicode's line and paragraph separators."""
+    return unicodedata.category(character) in ("Cc", "Zl", "Zp")
+
+
+def _one_line(value: str) -> str:
+    """A name shown or matched as one line: a key's label (`keys list` prints one tab-separated line
+    per key), a message's role (kept in the memory's metadata, where NUL is refused)."""
+    if not is_unicode(value):
+        raise PydanticCustomError("one_line", "must be valid Unicode (it holds a lone surrogate such as \\ud800)")
+    if any(is_line_break_or_control(c) for c in value):
+        raise PydanticCustomError("one_line", "must not contain control characters (NUL, tab, newline, …) or line "
+                                  "separators")
+    return value
+
+
 def check_json_values(value: Any, depth: int = 0) -> Any:
     """Metadata must fit every store: integers in 64 bits, finite numbers (JSON has no NaN or
     Infinity; PostgreSQL refuses them), valid Unicode without NUL characters (PostgreSQL refuses
@@ -123,7 +140,7 @@ class _Strict(BaseModel):
 
 
 class Message(BaseModel):
-    role: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    role: Annotated[str, StringConstraints(min_length=1, max_length=32), AfterValidator(_one_line)]
     content: UnicodeText
     name: UnicodeText | None = None
     metadata: "Metadata | None" = None  # merged over the add's metadata for this message's memory
@@ -231,21 +248,6 @@ class HistoryResponse(BaseModel):
 # The ids a key may be restricted to: they go into SQL as one parameter each (PostgreSQL takes at
 # most 65,535 a statement), and into every search's filter.
 MAX_KEY_IDS = 1000
-
-
-def is_line_break_or_control(character: str) -> bool:
-    """Tab, newline and other control characters, and Unicode's line and paragraph separators."""
-    return unicodedata.category(character) in ("Cc", "Zl", "Zp")
-
-
-def _one_line(label: str) -> str:
-    """A key's label is one line of text: `keys list` prints one tab-separated line per key."""
-    if not is_unicode(label):
-        raise PydanticCustomError("label", "must be valid Unicode (it holds a lone surrogate such as \\ud800)")
-    if any(is_line_break_or_control(c) for c in label):
-        raise PydanticCustomError("label", "must not contain control characters (tab, newline, …) or line "
-                                  "separators")
-    return label
 
 
 class KeyCreate(_Strict):

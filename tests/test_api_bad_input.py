@@ -101,29 +101,45 @@ MALFORMED_AUTHORIZATION = ["Basic dXNlcjpwYXNz", "Bearer", "{key}", "Bearer{key}
                            "Bearer {key}x", "Bearer x{key}"]
 
 
-def test_a_request_without_a_valid_key_is_refused_before_its_body_is_sent(tmp_path, embedder):
-    """The hot routes (api/direct.py) read the whole body and only then checked the key; a client
-    that asked `Expect: 100-continue` was told to send it (session 27's review). FastAPI's own routes
-    read a body before they resolve the key dependency, so this runs with the direct routes on (the
-    default) only."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "fastapi"])
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_sent(tmp_path, embedder, direct):
+    """The hot routes (api/direct.py) read the whole body and only then checked the key, and FastAPI's
+    own routes read (and parsed) a body before they resolved the key dependency: a client that asked
+    `Expect: 100-continue` was told to send it, and an unauthenticated client could make the server take
+    in a body up to the size limit. The key is now verified first on every /v1/ route (app.py KeyFirst),
+    a chunked body included."""
     import socket
 
     from conftest import start_server
 
-    server, stop = start_server(make_settings(tmp_path / "data", direct_routes=True), embedder)
+    server, stop = start_server(make_settings(tmp_path / "data", direct_routes=direct), embedder)
     host, port = server.url.removeprefix("http://").split(":")
+    requests = [(f"POST {path}", "Content-Length: 100000")
+                for path in ("/v1/memories", "/v1/memories/batch", "/v1/memories/search", "/v1/admin/keys")]
+    requests += [("PATCH /v1/memories/00000000-0000-0000-0000-000000000000", "Content-Length: 100000"),
+                 ("POST /v1/memories/search", "Transfer-Encoding: chunked"),
+                 ("DELETE /v1/memories?user_id=u1", "Content-Length: 5000")]
     try:
-        for path in ("/v1/memories", "/v1/memories/batch", "/v1/memories/search"):
+        for request_line, length in requests:
             with socket.create_connection((host, int(port))) as sock:
-                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             "Authorization: Bearer msk_not_a_key\r\nExpect: 100-continue\r\n"
-                             "Content-Length: 100000\r\n\r\n".encode())
+                sock.sendall(f"{request_line} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             f"Authorization: Bearer msk_not_a_key\r\nExpect: 100-continue\r\n{length}\r\n\r\n".encode())
                 sock.settimeout(10)
                 head = sock.recv(65536)
-            assert head.startswith(b"HTTP/1.1 401 "), head[:200]  # at once: no body sent, no 100 Continue first
+            # At once: no body sent, no 100 Continue first.
+            assert head.startswith(b"HTTP/1.1 401 "), (request_line, head[:200])
+            assert b'"code":"unauthorized"' in head, (request_line, head)
             # The body was never read: the connection cannot carry another request (the next one would
             # be taken as that body), so the server closes it.
-            assert b"\r\nconnection: close\r\n" in head.lower(), head[:400]
+            assert b"\r\nconnection: close\r\n" in head.lower(), (request_line, head[:400])
+        # A request without a body keeps its connection; the 401 is counted under its route.
+        with httpx.Client(base_url=server.url) as anonymous:
+            assert_error(anonymous.get("/v1/memories/abc"), 401, code="unauthorized")
+            response = anonymous.get("/v1/memories", params={"user_id": "u1"})
+            assert_error(response, 401, code="unauthorized")
+            assert response.headers.get("connection") != "close"
+        metrics = server.app.state.metrics.requests
+        assert metrics.labels("GET", "/v1/memories/{memory_id}", "401")._value.get() == 1
     finally:
         stop()
 
@@ -187,6 +203,39 @@ def test_a_key_label_of_more_than_one_line_is_422(client, subtests):
             assert_error(response, 422, "label", "invalid_input")
             assert response.json()["error"]["message"].startswith("label: must not contain control characters")
     assert expect_status(client.post("/v1/admin/keys", json={"role": "agent", "label": "Café ops — laptop"}), 201)
+
+
+def test_revoking_a_key_id_with_a_nul_or_of_another_form_is_404(client, subtests):
+    """PostgreSQL refuses a NUL in a text parameter: `DELETE /v1/admin/keys/key_%00` was a 500 there."""
+    for key_id in ("key_%00", "a%00b", "key_0123456789abcdef", "key_" + "f" * 200, "%F0%9F%94%91"):
+        with subtests.test(key_id):
+            response = client.delete(f"/v1/admin/keys/{key_id}")
+            assert_error(response, 404, code="not_found")
+            assert len(response.json()["error"]["message"]) < 100
+    own_id = client.get("/v1/admin/keys").json()["results"][0]["id"]
+    assert client.get("/v1/admin/keys").json()["results"][0]["revoked_at"] is None, own_id
+
+
+def test_a_message_role_with_control_characters_is_422_and_stores_nothing(client, subtests):
+    """The role is kept in the memory's metadata, where NUL is refused: a role "as\\x00st" was stored,
+    and then neither a PATCH sending that metadata back nor a filter on it was accepted."""
+    for role in ("as\x00st", "user\n", "tab\there"):
+        message = {"role": role, "content": "I like green tea"}
+        with subtests.test(role=role):
+            assert_error(client.post("/v1/memories", json=add_body(text=None, messages=[message])), 422,
+                         "messages[0].role", "invalid_input")
+            response = client.post("/v1/memories/batch", json={"items": [add_body(), add_body(
+                text=None, messages=[USER_MESSAGE, message])]})
+            assert_error(response, 422, "items[1].messages[1].role", "invalid_input")
+    assert_nothing_stored(client)
+
+
+def test_a_batch_item_outside_a_restricted_keys_scope_is_403_naming_the_item(server):
+    with server.client(server.create_key("agent", user_ids=["alice"])) as alice:
+        response = alice.post("/v1/memories/batch", json={"items": [add_body(user_id="alice"), add_body(user_id="bob")]})
+        assert_error(response, 403, "items[1].user_id", "forbidden")
+        assert_error(alice.post("/v1/memories", json=add_body(user_id="bob")), 403, "user_id", "forbidden")
+        assert alice.get("/v1/memories").json()["results"] == []  # all or nothing
 
 
 def test_a_key_restricted_to_more_than_1000_ids_is_422_and_1000_work(server, client):
@@ -394,6 +443,35 @@ def test_deeply_nested_bodies_are_4xx_and_store_nothing(client, subtests):
     nested_metadata = '{"metadata": ' + '{"a": ' * 20_000 + "1" + "}" * 20_001
     assert_error(post_raw(client, f"/v1/memories/{before['id']}", nested_metadata, method="PATCH"), 400, None)
     assert_unchanged(client, before)
+
+
+def test_filter_keys_and_ids_ending_in_a_newline_are_422(client, subtests):
+    """A pattern ending in `$` also matches before a final newline: a metadata key "topic\\n" reached
+    Qdrant, which refused it (a 500 with any key), and "u1\\n" passed as a user id (a fuzzing review,
+    session 28)."""
+    memory = add(client)
+    cases = {"filters.metadata.topic\n": {"user_id": "u1", "metadata.topic\n": "food"},
+             "filters.metadata.priority\n": {"user_id": "u1", "metadata": {"priority\n": {"gt": 1}}},
+             "filters.NOT[0].metadata.x\n": {"user_id": "u1", "NOT": {"metadata.x\n": 1}},
+             "filters.user_id": {"user_id": "u1\n"},
+             "filters.user_id.in": {"user_id": {"in": ["u1", "u1\n"]}}}
+    for field, filters in cases.items():
+        for mode in MODES:
+            with subtests.test(field=field, mode=mode):
+                response = client.post("/v1/memories/search", json=search_body(filters=filters, mode=mode))
+                assert_error(response, 422, field, "invalid_input")
+    assert_unchanged(client, memory)
+
+
+def test_an_empty_metadata_object_in_filters_is_422(client, subtests):
+    """`{"metadata": {}}` added no condition: alone it matched everything, under NOT nothing."""
+    add(client)
+    for field, filters in (("filters.metadata", {"user_id": "u1", "metadata": {}}),
+                           ("filters.NOT[0].metadata", {"user_id": "u1", "NOT": {"metadata": {}}}),
+                           ("filters.OR[0].metadata", {"user_id": "u1", "OR": [{"metadata": {}}]})):
+        with subtests.test(field):
+            assert_error(client.post("/v1/memories/search", json=search_body(filters=filters)), 422, field,
+                         "invalid_input")
 
 
 def test_filters_with_too_many_terms_are_422_and_a_1000_id_list_works(client, subtests):

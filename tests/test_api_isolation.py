@@ -433,6 +433,39 @@ def test_a_key_verified_while_it_is_revoked_is_not_cached(server, admin):
     assert cache.peek("msk_in_flight") is principal
 
 
+def test_the_revocation_file_replaced_or_rewritten_at_its_size_still_clears_the_cache(tmp_path):
+    """The cache watched the revocation file's size only: a file replaced by another of the same
+    length (a restore, a log rotation) or truncated and written again to that length between two
+    lookups went unseen, and revoked keys stayed cached (session 27's note)."""
+    import os
+
+    from memory_server.auth import KeyCache, Principal
+
+    revocations = tmp_path / "revocations"
+    revocations.write_text("2026-12-04T00:00:00 key_a\n")
+    cache = KeyCache(ttl=60, revocations=revocations)
+    principal = Principal("default", "key_b", "agent")
+
+    def cached() -> bool:
+        cache.put("msk_b", principal, cache.generation)
+        return cache.peek("msk_b") is principal
+
+    assert cached()
+    replacement = tmp_path / "replacement"
+    replacement.write_text("2026-12-04T00:00:00 key_b\n")  # the same length, another inode
+    os.replace(replacement, revocations)
+    assert cache.peek("msk_b") is None
+    assert cached()
+    stat = revocations.stat()
+    revocations.write_text("2026-12-04T00:00:01 key_b\n")  # truncated and written again in place
+    os.utime(revocations, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # whatever the clock's grain
+    assert revocations.stat().st_size == stat.st_size and revocations.stat().st_ino == stat.st_ino
+    assert cache.peek("msk_b") is None
+    assert cached()
+    revocations.unlink()  # removed: also a change
+    assert cache.peek("msk_b") is None
+
+
 def test_metrics_are_for_the_operators_unrestricted_admin_keys(server, admin):
     """/metrics counts every tenant's requests and memories: another tenant's admin watched them."""
     other_tenant = server.create_tenant_key("tB", "admin")

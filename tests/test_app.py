@@ -249,4 +249,8 @@ def test_a_database_error_that_an_outage_caused_is_an_outage():
             in_ping = wrapped
     assert caused_by_outage(in_ping)
     assert caused_by_outage(sqlite3.OperationalError("database is locked"))
+    # The driver's own subclasses, raised unwrapped by the SQL run on its cursor (storage/db.py
+    # driver_rows): a backend terminated mid-request was a 500 (a review, session 28).
+    assert caused_by_outage(psycopg.errors.AdminShutdown("terminating connection due to administrator command"))
+    assert caused_by_outage(psycopg.errors.ConnectionTimeout("connection timeout expired"))
     assert not caused_by_outage(ProgrammingError("SELEC 1", {}, psycopg.ProgrammingError("syntax error")))

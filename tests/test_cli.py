@@ -191,6 +191,16 @@ def test_keys_create_refuses_a_label_the_http_api_or_keys_list_cannot_take(tmp_p
     assert run_cli("keys", "list", data_dir=tmp_path).stdout.count("\n") == 1  # the header: nothing was created
 
 
+@pytest.mark.parametrize("option, value", [("--tenant", "default\n"), ("--user-id", "bob\n"), ("--agent-id", "bot\n")])
+def test_keys_create_refuses_an_id_ending_in_a_newline(tmp_path, option, value):
+    """The id check's pattern ended in `$`, which also matches before a final newline: `--user-id
+    $'bob\\n'` made a key `keys list` split over two lines, and `--tenant $'default\\n'` an admin of a
+    tenant that looks like `default` (a fuzzing review, session 28). The HTTP API refused them."""
+    args = ["--tenant", "acme", "--role", "agent", option, value] if option != "--tenant" else [option, value]
+    _refused(run_cli("keys", "create", *args, data_dir=tmp_path, check=False), option.removeprefix("--").split("-")[0])
+    assert run_cli("keys", "list", data_dir=tmp_path).stdout.count("\n") == 1  # the header: nothing was created
+
+
 def test_keys_create_takes_a_label_of_200_characters(tmp_path):
     label = "Café ops — " + "x" * 189
     run_cli("keys", "create", "--tenant", "acme", "--label", label, data_dir=tmp_path)

@@ -130,3 +130,28 @@ def test_many_clients_writing_through_two_workers_leave_a_consistent_store(two_w
                 purged += history[-1]["actor"] == "system:expiry"
                 assert c1.get(f"/v1/memories/{memory_id}").status_code == 404
         assert purged > 0  # the sweep took part
+
+
+def test_a_near_duplicate_added_through_the_other_worker_is_a_noop(tmp_path, database_url, embedder):
+    """The near-duplicate check asks the process's own index, which followed the other worker's
+    writes only before a search or on the maintenance thread's next round: the same fact reworded
+    slightly and sent to the other worker right after the first was answered was stored twice
+    (10 of 10 across PostgreSQL replicas, 5 of 6 across `--workers 2`; a review, session 28). The
+    maintenance thread waits an hour here, so only the add itself can have followed."""
+    from conftest import make_settings
+
+    settings = make_settings(tmp_path / "data", database_url, sync_interval_seconds=3600)
+    first, stop_first = start_server(settings, embedder)
+    second, stop_second = start_server(settings, embedder)
+    try:
+        with first.client() as here, second.client() as there:
+            for n in range(3):
+                text = f"My dentist appointment is on Tuesday the {n + 3}rd at 10am downtown"
+                (stored,) = here.post("/v1/memories", json={"text": text, "user_id": "dee"}).json()["results"]
+                assert stored["event"] == "ADD"
+                (again,) = there.post("/v1/memories", json={"text": text + "!", "user_id": "dee"}).json()["results"]
+                assert (again["event"], again["id"]) == ("NOOP", stored["id"]), again
+            assert len(there.get("/v1/memories", params={"user_id": "dee"}).json()["results"]) == 3
+    finally:
+        stop_second()
+        stop_first()

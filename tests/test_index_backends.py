@@ -425,3 +425,60 @@ def test_replicas_opening_a_new_qdrant_collection_at_once_all_start(embedder):
     query = IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "tA"),)), limit=5, dense=point.dense)
     assert [[hit.id for hit in index.search(query)] for index in indexes] == [[point.id]] * 4
 
+
+
+@pytest.mark.parametrize("change", ["update", "delete"])
+def test_an_adds_own_point_never_undoes_a_later_change(backend_runtime, admin, monkeypatch, change):
+    """A race a review found (session 28): an add hands its catch-up the points it built, and used
+    one whenever the run of entries named the memory once, even when another thread's catch-up (a
+    search's) had applied the add's entry already and the run held a later update or delete: the
+    deleted memory was back in the index, the updated one found by its old words. Here the add and
+    the change are each held after their commit, before they apply, while a search's catch-up runs."""
+    import threading
+
+    memories = backend_runtime.memories
+    real_publish = memories._publish
+    committed = {name: threading.Event() for name in ("add", "change")}
+    release = {name: threading.Event() for name in ("add", "change")}
+
+    def publish(prepared=None):
+        name = threading.current_thread().name
+        if name in committed:
+            committed[name].set()
+            release[name].wait(30)
+        real_publish(prepared)
+
+    monkeypatch.setattr(memories, "_publish", publish)
+    added = []
+    add = threading.Thread(name="add", target=lambda: added.append(
+        memories.add(admin, AddRequest(text="Rosa rides an old red bicycle", user_id="u1")).results[0].id))
+    add.start()
+    assert committed["add"].wait(30)
+    backend_runtime.sync.follow()  # what a search does first: the add's entry is applied from its row
+    memory_id = _only_memory_id(backend_runtime)
+    if change == "update":
+        work = lambda: memories.update(admin, memory_id, UpdateRequest(text="Rosa sold her bicycle and walks"))  # noqa: E731
+    else:
+        work = lambda: memories.delete(admin, memory_id)  # noqa: E731
+    changer = threading.Thread(name="change", target=work)
+    changer.start()
+    assert committed["change"].wait(30)
+    release["add"].set()  # the add applies what is after the index's position: the change
+    add.join(30)
+    release["change"].set()
+    changer.join(30)
+    assert added == [memory_id]
+    old = memories.search(admin, SearchRequest(query="red", filters={"user_id": "u1"}, mode="keyword"))
+    assert old == []
+    assert backend_runtime.index.info().points == (1 if change == "update" else 0)
+    if change == "update":
+        new = memories.search(admin, SearchRequest(query="walks", filters={"user_id": "u1"}, mode="keyword"))
+        assert [h.id for h in new] == [memory_id]
+
+
+def _only_memory_id(runtime) -> str:
+    from sqlmodel import Session, select
+
+    with Session(runtime.engine) as session:
+        (memory_id,) = session.exec(select(MemoryRecord.id)).all()
+    return memory_id

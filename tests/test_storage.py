@@ -321,7 +321,7 @@ def test_one_transaction_writes_row_embedding_and_log_entry(runtime, admin):
     stored = np.frombuffer(row.embedding, dtype=np.float32)
     assert stored.shape == (runtime.embedder.dimension,)
     assert np.allclose(stored, runtime.embedder.embed([FACTS[0]])[0], atol=1e-5)
-    assert [e.op for e in entries] == ["upsert"]
+    assert [e.op for e in entries] == ["add"]
     positions = [e.position for e in Session(runtime.engine).exec(select(ChangeLogEntry).order_by(ChangeLogEntry.position))]
     assert positions == sorted(positions) and len(set(positions)) == len(positions)
 

@@ -531,3 +531,51 @@ def test_a_hit_that_expired_unseen_by_the_index_costs_no_result(runtime, admin):
     unseen = runtime.memories.search(admin, request)
     assert [m.id for m in unseen] == [m.id for m in exact] and len(exact) == 3
     assert expired.results[0].id not in {m.id for m in exact}
+
+
+@pytest.mark.parametrize("change", ["delete", "update", "delete_scope"])
+def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtime, admin, monkeypatch, change):
+    """A race a review found (session 28): a batch's NOOPs are chosen before the write lock, and a
+    scope delete committed meanwhile left the batch answering NOOP to memories that no longer
+    existed (49 of 60 rounds): the facts the caller was told are stored were gone. The batch is held
+    here just before the write lock while the stored memory is deleted or changed."""
+    import threading
+
+    from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
+    from memory_server.services import vector_memory
+
+    stored = runtime.memories.add(admin, AddRequest(text="Lee keeps bees on the roof", user_id="lee")).results[0]
+    held, release = threading.Event(), threading.Event()
+    real_begin_write = vector_memory.begin_write
+
+    def begin_write(connection):
+        if threading.current_thread().name == "slow-batch":
+            held.set()
+            release.wait(30)
+        real_begin_write(connection)
+
+    monkeypatch.setattr(vector_memory, "begin_write", begin_write)
+    batch = [AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the stored one, exactly
+             AddRequest(text="Lee keeps bees on the roof!", user_id="lee"),  # and nearly
+             AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the first again
+             AddRequest(text="Lee plays chess on Sundays", user_id="lee")]
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(runtime.memories.add_batch(admin, batch)), name="slow-batch")
+    slow.start()
+    assert held.wait(30)
+    if change == "delete":
+        runtime.memories.delete(admin, stored.id)
+    elif change == "update":
+        runtime.memories.update(admin, stored.id, UpdateRequest(text="Lee sold the bees"))
+    else:
+        runtime.memories.delete_scope(admin, user_id="lee")
+    release.set()
+    slow.join(30)
+    results = answers[0].results
+    assert [r.event for r in results] == ["ADD", "NOOP", "NOOP", "ADD"]
+    assert stored.id not in {r.id for r in results}
+    assert results[1].id == results[2].id == results[0].id
+    listed = {m.id: m.memory for m in runtime.memories.list(admin, user_id="lee", limit=100).results}
+    assert listed[results[0].id] == "Lee keeps bees on the roof" and results[3].id in listed
+    hits = runtime.memories.search(admin, SearchRequest(query="bees", filters={"user_id": "lee"}, mode="keyword"))
+    assert results[0].id in {h.id for h in hits}

@@ -35,8 +35,14 @@ API_KEY = APIKeyHeader(name="Authorization", scheme_name="APIKey", auto_error=Fa
                        description="`Bearer <key>` (or mem0's `Token <key>`)")
 
 
-async def get_principal(runtime: RuntimeDep, authorization: Annotated[str | None, Depends(API_KEY)]) -> Principal:
-    return await principal_for(runtime, authorization)
+# Where the front layer that verifies every /v1/ request's key before its body is read (app.py
+# KeyFirst) leaves the principal for the route.
+PRINCIPAL = "memory_server.principal"
+
+
+async def get_principal(request: Request, runtime: RuntimeDep,
+                        authorization: Annotated[str | None, Depends(API_KEY)]) -> Principal:
+    return request.scope.get(PRINCIPAL) or await principal_for(runtime, authorization)
 
 
 async def principal_for(runtime: Runtime, authorization: str | None) -> Principal:

@@ -10,12 +10,10 @@ then the body model), handed to the route's own blocking call (memory_server/api
 
 The routes stay declared in FastAPI, which documents them (OpenAPI) and answers them when
 `MEMORY_SERVER_DIRECT_ROUTES=false`. Both ways give the same responses, errors included (the HTTP
-tests of bad input run both ways), with one difference: here the key is checked before the body
-is parsed, so a request without a valid key gets 401 whatever its body.
+tests of bad input run both ways). The key was verified before either (app.py KeyFirst).
 """
 
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from inspect import signature
@@ -26,15 +24,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from memory_server.api.deps import principal_for
-from memory_server.api.responses import (
-    caused_by_outage, database_unavailable_response, domain_error_response, internal_error_response,
-    validation_error_response,
-)
-from memory_server.errors import BadRequest, MemoryServerError
+from memory_server.api.deps import PRINCIPAL
+from memory_server.api.responses import response_for_error, validation_error_response
+from memory_server.errors import BadRequest
 from memory_server.timing import in_thread
-
-log = logging.getLogger("memory_server")
 
 
 @dataclass(frozen=True)
@@ -68,40 +61,23 @@ class DirectRoutes:
         if direct is None:
             return await self.app(scope, receive, send)
         scope["route"] = direct.route
-        response, body_read = await self._answer(direct, Headers(scope=scope), receive)
-        if response is None:  # the client left
-            return
-        if not body_read:
-            # Answered before the body was read: whether the client sends it anyway or not (it may
-            # not, after `Expect: 100-continue`), the connection cannot carry another request.
-            response.headers["connection"] = "close"
-        await response(scope, receive, send)
+        response = await self._answer(direct, scope, receive)
+        if response is not None:  # else the client left
+            await response(scope, receive, send)
 
-    async def _answer(self, direct: DirectRoute, headers: Headers, receive) -> tuple[Response | None, bool]:
-        """The response (None: the client left), and whether the body was read."""
-        body = None
+    async def _answer(self, direct: DirectRoute, scope, receive) -> Response | None:
+        """The response, or None when the client left before its body arrived."""
         try:
-            runtime = self.fastapi.state.runtime
-            # The key before the body: a request without a valid one is refused unread (and a client
-            # that asked `Expect: 100-continue` is not told to send it).
-            principal = await principal_for(runtime, headers.get("authorization"))
             body = await _read_body(receive)
             if body is None:
-                return None, True
-            request = _parse(direct.body, body, headers.get("content-type"))
-            result = await in_thread(direct.call, runtime.memories, principal, request)
-            response = Response(result.model_dump_json(), media_type="application/json")
-        except MemoryServerError as exc:
-            response = domain_error_response(exc)
+                return None
+            request = _parse(direct.body, body, Headers(scope=scope).get("content-type"))
+            result = await in_thread(direct.call, self.fastapi.state.runtime.memories, scope[PRINCIPAL], request)
+            return Response(result.model_dump_json(), media_type="application/json")
         except ValidationError as exc:
-            response = validation_error_response(exc.errors(include_url=False))
+            return validation_error_response(exc.errors(include_url=False))
         except Exception as exc:
-            if caused_by_outage(exc):  # the database down, or an error that caused
-                response = database_unavailable_response(exc)
-            else:
-                log.exception("unhandled error")
-                response = internal_error_response()
-        return response, body is not None
+            return response_for_error(exc)
 
 
 def _parse(model: type[BaseModel], body: bytes, content_type: str | None) -> BaseModel:

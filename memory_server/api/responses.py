@@ -76,11 +76,14 @@ def caused_by_outage(exc: BaseException) -> bool:
     """Whether another database error was caused by the database going away: SQLAlchemy's pre-ping on
     PostgreSQL, its socket closed mid-ping (psycopg's OperationalError), then failed to restore
     autocommit and raised a ProgrammingError instead (a 500 in an outage test). The driver's own
-    classes are PEP 249's, named alike in psycopg and sqlite3."""
+    classes are PEP 249's, named alike in psycopg and sqlite3; SQL run on the driver's cursor
+    (storage/db.py driver_rows) raises them unwrapped, subclasses such as psycopg's AdminShutdown (a
+    backend terminated) included."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, DATABASE_UNAVAILABLE) or type(exc).__name__ in ("OperationalError", "InterfaceError"):
+        if isinstance(exc, DATABASE_UNAVAILABLE) or any(
+                kind.__name__ in ("OperationalError", "InterfaceError") for kind in type(exc).__mro__):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -93,3 +96,15 @@ def database_unavailable_response(exc: Exception) -> JSONResponse:
 
 def internal_error_response() -> JSONResponse:
     return error_response(500, "internal_error", "internal error; see the server log")
+
+
+def response_for_error(exc: Exception) -> JSONResponse:
+    """The answer to an exception raised outside FastAPI's handlers (the plain ASGI layers in front of
+    it): a domain error's own status, 503 for a database outage (or an error one caused), else a
+    logged 500."""
+    if isinstance(exc, MemoryServerError):
+        return domain_error_response(exc)
+    if caused_by_outage(exc):
+        return database_unavailable_response(exc)
+    log.error("unhandled error", exc_info=exc)
+    return internal_error_response()

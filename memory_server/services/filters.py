@@ -13,7 +13,9 @@ TIME_FIELDS = ("created_at", "updated_at", "expires_at")
 OPERATORS = ("eq", "ne", "in", "nin", "gt", "gte", "lt", "lte", "contains")
 RANGE_OPS = ("gt", "gte", "lt", "lte")
 LOGICAL = {"AND": "AND", "OR": "OR", "NOT": "NOT", "and": "AND", "or": "OR", "not": "NOT"}
-_METADATA_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){0,3}$")
+# Matched whole (`fullmatch`): `$` also matches before a final newline, and "topic\n" got through to
+# Qdrant, which refused it with a 500.
+_METADATA_KEY = re.compile(r"[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){0,3}")
 NEVER = 253402300799.0  # 9999-12-31: the payload's expires_at for memories that never expire
 
 
@@ -48,6 +50,8 @@ def parse_filters(raw: Any, path: str = "filters", depth: int = 0) -> Condition:
         if key in LOGICAL:
             parts.append(_logical(LOGICAL[key], value, where, depth + 1))
         elif key == "metadata" and isinstance(value, dict):
+            if not value:  # it would add no condition: `NOT {"metadata": {}}` matched nothing
+                raise InvalidInput(f"{where} must not be empty", field=where)
             parts.extend(_field(f"metadata.{k}", v, f"{where}.{k}") for k, v in value.items())
         else:
             parts.append(_field(key, value, where))
@@ -83,7 +87,7 @@ def _logical(kind: str, value: Any, where: str, depth: int) -> Condition:
 def _field(key: str, value: Any, where: str) -> Condition:
     if key in SCOPE_FIELDS or key in TIME_FIELDS:
         payload_key = key
-    elif key.startswith("metadata.") and _METADATA_KEY.match(key[len("metadata."):]):
+    elif key.startswith("metadata.") and _METADATA_KEY.fullmatch(key[len("metadata."):]):
         payload_key = key
     else:
         raise InvalidInput(

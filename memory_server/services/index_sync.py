@@ -76,7 +76,7 @@ def point_for(row: MemoryRecord | PointRow, sparse: SparseEncoder) -> IndexPoint
 # Plain SQL on the driver's cursor (storage/db.py driver_rows): a follower runs these for every
 # change another process made, SQLAlchemy's execution path cost more than SQLite's answer.
 _HEAD = f"SELECT max(position) FROM {ChangeLogEntry.__tablename__}"
-_ENTRIES = f"SELECT position, memory_id FROM {ChangeLogEntry.__tablename__} WHERE position > {{0}} ORDER BY position LIMIT {{0}}"
+_ENTRIES = f"SELECT position, memory_id, op FROM {ChangeLogEntry.__tablename__} WHERE position > {{0}} ORDER BY position LIMIT {{0}}"
 # The id list (placeholders) is added when it runs.
 _POINT_ROWS = ("SELECT id, tenant_id, user_id, agent_id, run_id, text, metadata, embedding, created_at, updated_at, "
                f"expires_at FROM {MemoryRecord.__tablename__} WHERE id IN ")
@@ -108,10 +108,11 @@ class IndexSync:
         with self.engine.connect() as connection:
             return change_log_head(connection)
 
-    def follow(self) -> None:
+    def follow(self, head: int | None = None) -> None:
         """Apply what other processes (workers, replicas) committed, if anything: a search then
-        sees every write that was answered before it began, whichever process took the write."""
-        if self.head() > self.index.applied_position():
+        sees every write that was answered before it began, whichever process took the write.
+        `head`: the change log's head, when the caller has just read it."""
+        if (self.head() if head is None else head) > self.index.applied_position():
             self.catch_up()
 
     def catch_up(self, prepared: dict[str, IndexPoint] | None = None) -> int:
@@ -125,7 +126,7 @@ class IndexSync:
                     entries = driver_rows(connection, _ENTRIES.format(placeholders(connection, 1)), (position, self.batch_size))
                     if not entries:
                         return applied
-                    points, deleted = self._changes(connection, [memory_id for _, memory_id in entries], prepared or {})
+                    points, deleted = self._changes(connection, entries, prepared or {})
                 self._apply(points, deleted, entries[-1][0])
                 applied += len(entries)
                 self.applied_since_optimize += len(entries)
@@ -162,17 +163,21 @@ class IndexSync:
         else:
             self.index.apply(points, deleted, position)
 
-    def _changes(self, connection: Connection, memory_ids: list[str],
+    def _changes(self, connection: Connection, entries: list[tuple[int, str, str]],
                  prepared: dict[str, IndexPoint]) -> tuple[list[IndexPoint], list[str]]:
-        """The points to write and the ids to delete for a run of entries."""
+        """The points to write and the ids to delete for a run of (position, memory id, op) entries."""
         # Entries only name what changed; the row as it is now is the truth. A row that is gone
         # is deleted from the index, so replay can never resurrect a deleted memory.
-        counts = Counter(memory_ids)
+        counts = Counter(memory_id for _, memory_id, _ in entries)
         wanted = list(counts)
         # A batch add builds its new memories' points while the model is still embedding, and its
-        # apply skips reading them back: a new memory's one entry is that add's own, so its row is
-        # as the add wrote it. Any later change has an entry of its own, applied after this one.
-        ready = {i: prepared[i] for i in wanted if counts[i] == 1 and i in prepared}
+        # apply skips reading them back: where the run holds a new memory's "add" entry and no other
+        # entry of it, its row is as the add wrote it, and any later change is applied after this
+        # run. Only then: another thread's catch-up may have applied the add's entry already, and
+        # this run hold a later update or delete, which the add's point would undo (a deleted
+        # memory was back in search; a review, session 28).
+        added = {memory_id for _, memory_id, op in entries if op == "add"}
+        ready = {i: prepared[i] for i in wanted if counts[i] == 1 and i in added and i in prepared}
         read = [i for i in wanted if i not in ready]
         rows = {}
         if read:

@@ -24,7 +24,7 @@ from sqlmodel import Session, col, select
 from memory_server.auth import Principal
 from memory_server.config import Settings
 from memory_server.embedding import Embedder
-from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable
+from memory_server.errors import BadRequest, InvalidInput, NotFound, Unavailable, quoted_id
 from memory_server.models import ChangeLogEntry, MemoryHistory, MemoryRecord, embedding_input, new_memory_ids, utcnow
 from memory_server.schemas import (
     AddRequest, AddResponse, AddResult, HistoryEntry, MemoryOut, MemoryPage, ScoredMemory, SearchRequest,
@@ -68,6 +68,52 @@ def text_hash(text: str) -> str:
     return hashlib.md5(text.encode()).hexdigest()  # mem0's `hash` field: md5 of the memory text
 
 
+class Draft:
+    """What an add is about to write and answer, built while the model embeds the rest of its texts."""
+
+    def __init__(self, tenant_id: str, now: datetime, size: int, sparse: SparseEncoder):
+        self.tenant_id, self.now, self.sparse = tenant_id, now, sparse
+        self.ids = iter(new_memory_ids(size))
+        self.rows: list[dict] = []
+        self.fresh: list[Planned] = []  # what each row was planned as
+        self.prepared: dict[str, IndexPoint] = {}  # the rows' index points (see IndexSync._changes)
+        self.added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # the new memories' (vector, id, text)
+        self.results: list[AddResult] = []
+        self.noops: list[tuple[int, Planned, np.ndarray]] = []  # NOOPs to stored memories: (place in results, ...)
+
+    def new(self, planned: Planned, vector: np.ndarray) -> AddResult:
+        """A new memory's row and index point."""
+        scope, text, metadata, expires_at, context = planned
+        memory_id = next(self.ids)
+        self.rows.append({"id": memory_id, "tenant_id": self.tenant_id, "user_id": scope[0], "agent_id": scope[1],
+                          "run_id": scope[2], "text": text, "context": context, "hash": text_hash(text),
+                          "metadata": metadata, "embedding": vector.tobytes(), "created_at": self.now,
+                          "updated_at": self.now, "expires_at": expires_at})
+        self.fresh.append(planned)
+        self.prepared[memory_id] = point_for(SimpleNamespace(**self.rows[-1], meta=metadata), self.sparse)
+        self.added.setdefault(scope, []).append((vector, memory_id, text))
+        return AddResult(id=memory_id, memory=text, event="ADD")
+
+    def noop(self, duplicate: tuple[str, str], planned: Planned, vector: np.ndarray) -> AddResult:
+        """The answer for a memory already held as `duplicate` (id, text)."""
+        if duplicate[0] not in self.prepared:  # a stored one: see VectorMemory._recheck_under_lock
+            self.noops.append((len(self.results), planned, vector))
+        return AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP")
+
+    def drop(self, replaced: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+        """Leave out the new memories that turned out to be held already, as {id: (stored id, text)};
+        the answers that named them name the stored memory (`added` keeps them: a near duplicate of
+        one is a duplicate of what replaced it). Returns `replaced`."""
+        if replaced:
+            kept = [(row, planned) for row, planned in zip(self.rows, self.fresh) if row["id"] not in replaced]
+            self.rows, self.fresh = [row for row, _ in kept], [planned for _, planned in kept]
+            for memory_id in replaced:
+                self.prepared.pop(memory_id)
+            self.results[:] = [AddResult(id=replaced[r.id][0], memory=replaced[r.id][1], event="NOOP")
+                               if r.id in replaced else r for r in self.results]
+        return replaced
+
+
 class VectorMemory:
     def __init__(self, settings: Settings, engine: Engine, embedder: Embedder, index: VectorIndex,
                  sync: IndexSync, sparse: SparseEncoder):
@@ -104,7 +150,7 @@ class VectorMemory:
         warnings: list[str] = []
         for i, item in enumerate(items):
             prefix = f"items[{i}]." if batch else ""
-            user_id, agent_id = principal.resolve_write_scope(item.user_id, item.agent_id)
+            user_id, agent_id = principal.resolve_write_scope(item.user_id, item.agent_id, prefix)
             scope = (user_id, agent_id, item.run_id)
             if not any(scope):
                 raise InvalidInput("at least one of user_id, agent_id, run_id is required", field=f"{prefix}user_id")
@@ -120,81 +166,79 @@ class VectorMemory:
 
         # Vectors arrive in order while the rest are still being embedded (see embed_ahead).
         vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))
-        results: list[AddResult] = []
-        new_ids = iter(new_memory_ids(len(planned)))
+        draft = Draft(principal.tenant_id, now, len(planned), self.sparse)
         # A plain connection, no ORM session: an add runs Core statements only, and the session's
         # machinery cost ~110 µs a statement (bench/analysis.md, round 21).
         with self.engine.connect() as connection:
             with stage("db"):
-                head = change_log_head(connection)  # a later write moves it: see _drop_late_duplicates
+                head = change_log_head(connection)  # a later write moves it: see _recheck_under_lock
                 existing = self._exact_duplicates(connection, principal.tenant_id, planned, now)
-            added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # this request's new memories
-            rows: list[dict] = []
-            prepared: dict[str, IndexPoint] = {}  # index points, built while the model embeds the rest
-            fresh: list[Planned] = []  # what each row was planned as
+            self._follow(head)  # the near-duplicate check asks the index: it must hold what others wrote
             for group in _groups(zip(planned, vectors), self.embedder.batch_size):
                 stored = self._stored_near_duplicates(connection, principal, group, existing, now)
                 for (planned_memory, vector), candidates in zip(group, stored):
-                    scope, text, metadata, expires_at, context = planned_memory
-                    digest = text_hash(text)
+                    scope, text, context = planned_memory.scope, planned_memory.text, planned_memory.context
                     # A message embedded with its conversation is compared by text only: overlapping
                     # context makes neighbouring turns look alike to the model.
-                    duplicate = existing.get((scope, digest)) or (None if context else self._near_duplicate(
-                        text, vector, added.get(scope, ()), candidates))
+                    duplicate = existing.get((scope, text_hash(text))) or (None if context else self._near_duplicate(
+                        text, vector, draft.added.get(scope, ()), candidates))
                     if duplicate:  # the memory already held, as stored
-                        results.append(AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP"))
-                        continue
-                    memory_id = next(new_ids)
-                    fresh.append(planned_memory)
-                    rows.append({"id": memory_id, "tenant_id": principal.tenant_id, "user_id": scope[0],
-                                 "agent_id": scope[1], "run_id": scope[2], "text": text, "context": context,
-                                 "hash": digest, "metadata": metadata, "embedding": vector.tobytes(), "created_at": now,
-                                 "updated_at": now, "expires_at": expires_at})
-                    prepared[memory_id] = point_for(SimpleNamespace(**rows[-1], meta=metadata), self.sparse)
-                    existing[(scope, digest)] = (memory_id, text)
-                    added.setdefault(scope, []).append((vector, memory_id, text))
-                    results.append(AddResult(id=memory_id, memory=text, event="ADD"))
+                        draft.results.append(draft.noop(duplicate, planned_memory, vector))
+                    else:
+                        draft.results.append(draft.new(planned_memory, vector))
+                        existing[(scope, text_hash(text))] = (draft.rows[-1]["id"], text)
             with stage("db"):
-                if rows:
+                if draft.rows:
                     begin_write(connection)
                     if change_log_head(connection) != head:
-                        rows = self._drop_late_duplicates(connection, principal.tenant_id, rows, fresh, prepared,
-                                                          results, now)
-                if rows:
-                    _stamp(rows, prepared, utcnow())
+                        self._recheck_under_lock(connection, draft)
+                if draft.rows:
+                    _stamp(draft.rows, draft.prepared, utcnow())
                     # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
-                    connection.execute(MemoryRecord.__table__.insert(), rows)
-                    self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in rows], "ADD",
+                    connection.execute(MemoryRecord.__table__.insert(), draft.rows)
+                    self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in draft.rows], "ADD",
                                  principal.key_id)
                 connection.commit()
-        self._publish(prepared)
-        return AddResponse(results=results, warnings=warnings)
+        self._publish(draft.prepared)
+        return AddResponse(results=draft.results, warnings=warnings)
 
-    def _drop_late_duplicates(self, connection: Connection, tenant_id: str, rows: list[dict],
-                              fresh: list[Planned], prepared: dict[str, IndexPoint],
-                              results: list[AddResult], now: datetime) -> list[dict]:
-        """The rows still to insert once the write lock is held, when something was written since
-        this add's own checks: a memory that another add (a retry, another worker) committed while
-        this one embedded is now a NOOP to that memory. The checks above ran without the lock, so
-        that adds embed side by side; only this exact-text check runs under it (~0.2 ms an add,
-        ~25 ms a batch of 1,000 on a Zen 3), and only when the change log moved meanwhile."""
-        late = self._exact_duplicates(connection, tenant_id, fresh, now)
-        if not late:
-            return rows
-        kept, replaced = [], {}
-        for row, planned in zip(rows, fresh):
-            duplicate = late.get((planned.scope, row["hash"]))
-            if duplicate:
-                replaced[row["id"]] = duplicate
-                prepared.pop(row["id"])
-            else:
-                kept.append(row)
-        # The dropped rows' results, and this request's NOOPs that named them, name the stored memory.
-        for place, result in enumerate(results):
-            if result.id in replaced:
-                memory_id, text = replaced[result.id]
-                results[place] = AddResult(id=memory_id, memory=text, event="NOOP")
-        return kept
+    def _follow(self, head: int | None = None) -> None:
+        """Bring the index up to what other processes (workers, replicas) committed before this
+        request began (`head`, when the caller has read it already), so that a search, or an add's
+        near-duplicate check, sees every write answered before it: a near-duplicate added through
+        another worker right after the first was stored twice. On failure, the index is used as it
+        is; the maintenance thread retries."""
+        try:
+            with stage("index"):
+                self.sync.follow(head)
+        except Exception:
+            log.exception("vector index could not follow the change log")
+
+    def _recheck_under_lock(self, connection: Connection, draft: Draft) -> None:
+        """Correct an add's draft once the write lock is held, when something was written since
+        the add's own checks, which ran without the lock so that adds embed side by side:
+        - a memory that another add (a retry, another worker) committed meanwhile makes this add's
+          copy of it a NOOP to that memory;
+        - a stored memory this add answers NOOP to that was deleted, expired or changed meanwhile
+          no longer holds the fact, so the fact is added after all (a batch said NOOP to memories a
+          scope delete had just removed, 49 of 60 rounds; a review, session 28).
+        Only the exact-text check and the NOOP targets' rows run under the lock (~0.2 ms an add, ~25
+        ms a batch of 1,000 on a Zen 3), and only when the change log moved meanwhile."""
+        results = draft.results
+        live = _live_texts(connection, {results[place].id for place, _, _ in draft.noops}, draft.now)
+        lost = [(place, p, vector) for place, p, vector in draft.noops
+                if live.get(results[place].id) != results[place].memory]
+        late = self._exact_duplicates(connection, draft.tenant_id, [*draft.fresh, *(p for _, p, _ in lost)], draft.now)
+        replaced = draft.drop({row["id"]: late[(planned.scope, row["hash"])] for row, planned in zip(draft.rows, draft.fresh)
+                               if (planned.scope, row["hash"]) in late})
+        for place, planned, vector in lost:
+            key = (planned.scope, text_hash(planned.text))
+            duplicate = late.get(key) or self._near_duplicate(planned.text, vector, draft.added.get(planned.scope, ()), [])
+            duplicate = replaced.get(duplicate[0], duplicate) if duplicate else None
+            # The first of the lost ones with its text is added, the ones like it are NOOPs to it.
+            results[place] = (AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP") if duplicate
+                              else draft.new(planned, vector))
+            late.setdefault(key, (results[place].id, results[place].memory))
 
     def _texts_of(self, item: AddRequest, prefix: str) -> list[tuple[str, dict, str | None]]:
         """(text, extra metadata, conversation context) for each memory an add item makes. A message
@@ -294,7 +338,7 @@ class VectorMemory:
             {"memory_id": m.id, "tenant_id": m.tenant_id, "user_id": m.user_id, "agent_id": m.agent_id,
              "event": event, "old_memory": old, "new_memory": new, "actor": actor, "created_at": now}
             for m, old, new in changes])
-        op = "delete" if event == "DELETE" else "upsert"
+        op = {"DELETE": "delete", "ADD": "add"}.get(event, "upsert")
         session.execute(ChangeLogEntry.__table__.insert(), [
             {"tenant_id": m.tenant_id, "memory_id": m.id, "op": op, "created_at": now} for m, _, _ in changes])
 
@@ -315,11 +359,7 @@ class VectorMemory:
         if not (principal.user_ids or principal.agent_ids or (condition is not None and bounds_scope(condition))):
             raise InvalidInput("a search must name at least one of user_id, agent_id, run_id in filters",
                                field="filters")
-        try:
-            with stage("index"):
-                self.sync.follow()
-        except Exception:  # answer from the index as it is; the maintenance thread retries
-            log.exception("vector index could not follow the change log")
+        self._follow()
         now = utcnow()
         scope = restrict(principal, condition)
         # Expired memories wait in the index for the expiry sweep. The index query filters them out
@@ -384,7 +424,7 @@ class VectorMemory:
         row = session.get(MemoryRecord, memory_id) if _is_uuid(memory_id) else None
         if (row is None or row.tenant_id != principal.tenant_id or not principal.can_see(row.user_id, row.agent_id)
                 or (row.expires_at is not None and row.expires_at <= utcnow())):
-            raise NotFound(f"no memory '{_quoted(memory_id)}'")
+            raise NotFound(f"no memory '{quoted_id(memory_id)}'")
         return row
 
     def get(self, principal: Principal, memory_id: str) -> MemoryOut:
@@ -505,13 +545,13 @@ class VectorMemory:
 
     def history(self, principal: Principal, memory_id: str) -> list[HistoryEntry]:
         if not _is_uuid(memory_id):
-            raise NotFound(f"no memory '{_quoted(memory_id)}'")
+            raise NotFound(f"no memory '{quoted_id(memory_id)}'")
         with Session(self.engine) as session:
             rows = session.exec(select(MemoryHistory).where(MemoryHistory.memory_id == memory_id,
                                                             MemoryHistory.tenant_id == principal.tenant_id)
                                 .order_by(MemoryHistory.id)).all()
         if not rows or not principal.can_see(rows[0].user_id, rows[0].agent_id):
-            raise NotFound(f"no memory '{_quoted(memory_id)}'")
+            raise NotFound(f"no memory '{quoted_id(memory_id)}'")
         return [HistoryEntry(event=r.event, old_memory=r.old_memory, new_memory=r.new_memory, actor=r.actor,
                              created_at=r.created_at) for r in rows]
 
@@ -602,11 +642,6 @@ _LIVE_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(
 def _readable():
     """Rows for reading: the stored embedding (1.5 KB a row) stays in the database."""
     return select(MemoryRecord).options(defer(MemoryRecord.embedding), defer(MemoryRecord.context))
-
-
-def _quoted(memory_id: str) -> str:
-    """An id as an error message repeats it: a long one (a path of any length) cut short."""
-    return memory_id if len(memory_id) <= 64 else memory_id[:64] + "…"
 
 
 def _is_uuid(value) -> bool:

@@ -3,6 +3,8 @@
 import json
 import logging
 import os
+import sqlite3
+import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -30,7 +32,7 @@ def make_engine(url: str) -> Engine:
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):
             cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _use_wal(cursor)
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA busy_timeout=30000")
@@ -40,6 +42,24 @@ def make_engine(url: str) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://"):]
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def _use_wal(cursor, wait_seconds: float = 30.0) -> None:
+    """Put an SQLite file in WAL mode (it stays so). Switching a new file is refused at once with
+    "database is locked", without the busy timeout, while another process that is starting too
+    holds a lock on it (replicas or workers started together: one failed, seen in CI, session 29),
+    so the switch is tried again for up to `wait_seconds`. A file in WAL mode already needs no lock."""
+    if cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+        return
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def warm_sqlite_file(engine: Engine, available: int | None = None) -> int:

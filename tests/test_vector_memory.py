@@ -481,20 +481,10 @@ def test_an_add_committed_after_a_listing_began_never_shows_on_its_later_pages(r
     import threading
 
     from memory_server.schemas import AddRequest
-    from memory_server.services import vector_memory
 
     for i in range(3):
         runtime.memories.add(admin, AddRequest(text=f"Lee's old note number {i}", user_id="lee"))
-    held, release = threading.Event(), threading.Event()
-    real_begin_write = vector_memory.begin_write
-
-    def begin_write(connection):
-        if threading.current_thread().name == "slow-batch":
-            held.set()
-            release.wait(30)
-        real_begin_write(connection)
-
-    monkeypatch.setattr(vector_memory, "begin_write", begin_write)
+    held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
     batch = [AddRequest(text=f"Lee's batch entry about topic {i}", user_id="lee") for i in range(5)]
     slow = threading.Thread(target=runtime.memories.add_batch, args=(admin, batch), name="slow-batch")
     slow.start()
@@ -542,19 +532,9 @@ def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtim
     import threading
 
     from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
-    from memory_server.services import vector_memory
 
     stored = runtime.memories.add(admin, AddRequest(text="Lee keeps bees on the roof", user_id="lee")).results[0]
-    held, release = threading.Event(), threading.Event()
-    real_begin_write = vector_memory.begin_write
-
-    def begin_write(connection):
-        if threading.current_thread().name == "slow-batch":
-            held.set()
-            release.wait(30)
-        real_begin_write(connection)
-
-    monkeypatch.setattr(vector_memory, "begin_write", begin_write)
+    held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
     batch = [AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the stored one, exactly
              AddRequest(text="Lee keeps bees on the roof!", user_id="lee"),  # and nearly
              AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the first again
@@ -579,3 +559,23 @@ def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtim
     assert listed[results[0].id] == "Lee keeps bees on the roof" and results[3].id in listed
     hits = runtime.memories.search(admin, SearchRequest(query="bees", filters={"user_id": "lee"}, mode="keyword"))
     assert results[0].id in {h.id for h in hits}
+
+
+def hold_before_the_write_lock(monkeypatch, thread_name: str):
+    """(held, release): an add running in the thread named `thread_name` sets `held` once its texts
+    are embedded and its checks done, just before it takes the write lock, and waits for `release`."""
+    import threading
+
+    from memory_server.services import vector_memory
+
+    held, release = threading.Event(), threading.Event()
+    real_begin_write = vector_memory.begin_write
+
+    def begin_write(connection):
+        if threading.current_thread().name == thread_name:
+            held.set()
+            release.wait(30)
+        real_begin_write(connection)
+
+    monkeypatch.setattr(vector_memory, "begin_write", begin_write)
+    return held, release

@@ -523,17 +523,20 @@ def test_a_hit_that_expired_unseen_by_the_index_costs_no_result(runtime, admin):
     assert expired.results[0].id not in {m.id for m in exact}
 
 
-@pytest.mark.parametrize("change", ["delete", "update", "delete_scope"])
+@pytest.mark.parametrize("change", ["delete", "update", "delete_scope", "expire"])
 def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtime, admin, monkeypatch, change):
     """A race a review found (session 28): a batch's NOOPs are chosen before the write lock, and a
     scope delete committed meanwhile left the batch answering NOOP to memories that no longer
-    existed (49 of 60 rounds): the facts the caller was told are stored were gone. The batch is held
-    here just before the write lock while the stored memory is deleted or changed."""
+    existed (49 of 60 rounds): the facts the caller was told are stored were gone; so did one that
+    expired meanwhile. The batch is held here just before the write lock while the stored memory is
+    deleted, changed or expires."""
     import threading
 
     from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
-    stored = runtime.memories.add(admin, AddRequest(text="Lee keeps bees on the roof", user_id="lee")).results[0]
+    expires_at = datetime.now(timezone.utc) + timedelta(seconds=1) if change == "expire" else None
+    stored = runtime.memories.add(admin, AddRequest(text="Lee keeps bees on the roof", user_id="lee",
+                                                    expires_at=expires_at)).results[0]
     held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
     batch = [AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the stored one, exactly
              AddRequest(text="Lee keeps bees on the roof!", user_id="lee"),  # and nearly
@@ -547,8 +550,10 @@ def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtim
         runtime.memories.delete(admin, stored.id)
     elif change == "update":
         runtime.memories.update(admin, stored.id, UpdateRequest(text="Lee sold the bees"))
-    else:
+    elif change == "delete_scope":
         runtime.memories.delete_scope(admin, user_id="lee")
+    else:  # expired, unswept: nothing is written (a review, session 29)
+        time.sleep(max(0.0, (expires_at - datetime.now(timezone.utc)).total_seconds()) + 0.1)
     release.set()
     slow.join(30)
     results = answers[0].results

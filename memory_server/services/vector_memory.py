@@ -190,8 +190,8 @@ class VectorMemory:
             with stage("db"):
                 if draft.rows:
                     begin_write(connection)
-                    if change_log_head(connection) != head:
-                        self._recheck_under_lock(connection, draft)
+                    if draft.noops or change_log_head(connection) != head:
+                        self._recheck_under_lock(connection, draft, utcnow())
                 if draft.rows:
                     _stamp(draft.rows, draft.prepared, utcnow())
                     # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
@@ -214,21 +214,23 @@ class VectorMemory:
         except Exception:
             log.exception("vector index could not follow the change log")
 
-    def _recheck_under_lock(self, connection: Connection, draft: Draft) -> None:
-        """Correct an add's draft once the write lock is held, when something was written since
-        the add's own checks, which ran without the lock so that adds embed side by side:
+    def _recheck_under_lock(self, connection: Connection, draft: Draft, now: datetime) -> None:
+        """Correct an add's draft once the write lock is held (at `now`), when something was written
+        since the add's own checks, which ran without the lock so that adds embed side by side, or
+        when it answers NOOP to stored memories (one may have expired meanwhile, which writes nothing):
         - a memory that another add (a retry, another worker) committed meanwhile makes this add's
           copy of it a NOOP to that memory;
         - a stored memory this add answers NOOP to that was deleted, expired or changed meanwhile
           no longer holds the fact, so the fact is added after all (a batch said NOOP to memories a
           scope delete had just removed, 49 of 60 rounds; a review, session 28).
         Only the exact-text check and the NOOP targets' rows run under the lock (~0.2 ms an add, ~25
-        ms a batch of 1,000 on a Zen 3), and only when the change log moved meanwhile."""
+        ms a batch of 1,000 on a Zen 3). Expiry is judged at `now`, not when the add began: a NOOP
+        to a memory that expired while the add embedded stored the fact nowhere (a review, session 29)."""
         results = draft.results
-        live = _live_texts(connection, {results[place].id for place, _, _ in draft.noops}, draft.now)
+        live = _live_texts(connection, {results[place].id for place, _, _ in draft.noops}, now)
         lost = [(place, p, vector) for place, p, vector in draft.noops
                 if live.get(results[place].id) != results[place].memory]
-        late = self._exact_duplicates(connection, draft.tenant_id, [*draft.fresh, *(p for _, p, _ in lost)], draft.now)
+        late = self._exact_duplicates(connection, draft.tenant_id, [*draft.fresh, *(p for _, p, _ in lost)], now)
         replaced = draft.drop({row["id"]: late[(planned.scope, row["hash"])] for row, planned in zip(draft.rows, draft.fresh)
                                if (planned.scope, row["hash"]) in late})
         for place, planned, vector in lost:

@@ -190,10 +190,11 @@ class VectorMemory:
             with stage("db"):
                 if draft.rows:
                     begin_write(connection)
-                    if draft.noops or change_log_head(connection) != head:
-                        self._recheck_under_lock(connection, draft, utcnow())
+                    locked_at, moved = utcnow(), change_log_head(connection) != head
+                    if moved or draft.noops:
+                        self._recheck_under_lock(connection, draft, locked_at, moved)
                 if draft.rows:
-                    _stamp(draft.rows, draft.prepared, utcnow())
+                    _stamp(draft.rows, draft.prepared, locked_at)
                     # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
                     connection.execute(MemoryRecord.__table__.insert(), draft.rows)
                     self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in draft.rows], "ADD",
@@ -214,7 +215,7 @@ class VectorMemory:
         except Exception:
             log.exception("vector index could not follow the change log")
 
-    def _recheck_under_lock(self, connection: Connection, draft: Draft, now: datetime) -> None:
+    def _recheck_under_lock(self, connection: Connection, draft: Draft, now: datetime, moved: bool) -> None:
         """Correct an add's draft once the write lock is held (at `now`), when something was written
         since the add's own checks, which ran without the lock so that adds embed side by side, or
         when it answers NOOP to stored memories (one may have expired meanwhile, which writes nothing):
@@ -224,13 +225,17 @@ class VectorMemory:
           no longer holds the fact, so the fact is added after all (a batch said NOOP to memories a
           scope delete had just removed, 49 of 60 rounds; a review, session 28).
         Only the exact-text check and the NOOP targets' rows run under the lock (~0.2 ms an add, ~25
-        ms a batch of 1,000 on a Zen 3). Expiry is judged at `now`, not when the add began: a NOOP
-        to a memory that expired while the add embedded stored the fact nowhere (a review, session 29)."""
+        ms a batch of 1,000 on a Zen 3; the new rows' check only when the change log `moved`). Expiry
+        is judged at `now`, not when the add began: a NOOP to a memory that expired while the add
+        embedded stored the fact nowhere (a review, session 29)."""
         results = draft.results
         live = _live_texts(connection, {results[place].id for place, _, _ in draft.noops}, now)
         lost = [(place, p, vector) for place, p, vector in draft.noops
                 if live.get(results[place].id) != results[place].memory]
-        late = self._exact_duplicates(connection, draft.tenant_id, [*draft.fresh, *(p for _, p, _ in lost)], now)
+        if not (moved or lost):
+            return
+        late = self._exact_duplicates(connection, draft.tenant_id,
+                                      [*(draft.fresh if moved else ()), *(p for _, p, _ in lost)], now)
         replaced = draft.drop({row["id"]: late[(planned.scope, row["hash"])] for row, planned in zip(draft.rows, draft.fresh)
                                if (planned.scope, row["hash"]) in late})
         for place, planned, vector in lost:

@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     index_optimize_every: int = Field(20000, ge=100)
     index_search_threads: int = Field(1, ge=0, le=256)  # Qdrant Edge search pool; 0 = one per CPU
     warm_database: bool = True  # read the SQLite file into the page cache at start when it fits
-    request_threads: int = Field(12, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
+    request_threads: int = Field(4, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
     direct_routes: bool = True  # add, batch add and search answered ahead of FastAPI (api/direct.py)
     server_timing: bool = True  # a Server-Timing header on each response: where its time went (timing.py)
     log_level: Literal["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"] = "INFO"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memory_server.errors import StartupError
+from memory_server.errors import StartupError, Unavailable
 from memory_server.timing import name_os_thread
 
 log = logging.getLogger("memory_server")
@@ -130,8 +130,11 @@ class Embedder:
         encode = lambda chosen: self._encoder.encode([texts[i] for i in chosen])  # noqa: E731
         results = self._pool.map(encode, chunks) if self._pool and len(chunks) > 1 else map(encode, chunks)
         out = np.empty((len(texts), self.dimension), dtype=np.float32)
-        for chosen, vectors in zip(chunks, results):
-            out[chosen] = vectors
+        try:
+            for chosen, vectors in zip(chunks, results):
+                out[chosen] = vectors
+        except Exception as exc:
+            raise model_failed(exc) from exc
         return out
 
     def embed_ahead(self, texts: list[str]) -> Iterator[np.ndarray]:
@@ -154,7 +157,10 @@ class Embedder:
             for window, pending in windows:
                 out = np.empty((len(window), self.dimension), dtype=np.float32)
                 for chosen, future in pending:
-                    out[[i - window.start for i in chosen]] = future.result()
+                    try:
+                        out[[i - window.start for i in chosen]] = future.result()
+                    except Exception as exc:
+                        raise model_failed(exc) from exc
                 yield from out
         finally:
             for _, pending in windows:
@@ -163,18 +169,44 @@ class Embedder:
 
     def embed_query(self, text: str) -> np.ndarray:
         self._coming.arrived()
+        return self.query_soon(text).result()
+
+    def query_soon(self, text: str) -> Future:
+        """embed_query's vector, as a Future: the text goes to the model now (or the cache answers
+        at once), and the caller does other work, or awaits it on an event loop, meanwhile. The HTTP
+        layer hands a search's query over as the request arrives (api/direct.py): a model call then
+        gathers the texts of every request waiting in the worker, not only of those that have
+        reached a request thread (bench/analysis.md, round 29)."""
         with self._cache_lock:
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
-                return hit
-        vector = self.embed([text])[0]
-        if self._cache_size:
-            with self._cache_lock:
-                self._cache[text] = vector
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                return _finished(hit)
+        vector: Future = Future()
+
+        def remember(embedded: Future) -> None:
+            try:
+                result = embedded.result()[0]
+            except Exception as exc:  # the caller hears the model's failure
+                vector.set_exception(exc)
+                return
+            if self._cache_size:
+                with self._cache_lock:
+                    self._cache[text] = result
+                    if len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
+            vector.set_result(result)
+
+        self._batcher.submit([text]).add_done_callback(remember)
         return vector
+
+    def embed_soon(self, texts: list[str]) -> Future | None:
+        """embed's vectors for a few texts (at most _MicroBatcher.SMALL), as a Future, the texts
+        handed to the model now (see query_soon); None for more texts, which embed_ahead spreads
+        over model calls of their own."""
+        if not texts or len(texts) > _MicroBatcher.SMALL:
+            return None
+        return self._batcher.submit(texts)
 
 
 # A model call pads its texts to the longest one; its activations grow with texts x tokens (and
@@ -271,9 +303,13 @@ class _MicroBatcher:
             threading.Thread(target=self._work, name=f"embedding-batcher-{n}", daemon=True).start()
 
     def encode(self, texts: list[str]) -> np.ndarray:
+        return self.submit(texts).result()
+
+    def submit(self, texts: list[str]) -> Future:
+        """The texts' vectors, as a Future: they join the next model call."""
         done = Future()
         self._queue.put((texts, done))
-        return done.result()
+        return done
 
     def nudge(self) -> None:
         """Wake a call waiting for texts: one of the callers it waits for will bring none."""
@@ -327,9 +363,27 @@ class _MicroBatcher:
                     if not left[n]:
                         batch[n][1].set_result(out[starts[n]:starts[n + 1]])
         except Exception as exc:  # hand the failure to every caller still waiting
+            failure = model_failed(exc)
             for (_, done), remaining in zip(batch, left):
                 if remaining:
-                    done.set_exception(exc)
+                    done.set_exception(failure)
+
+
+def model_failed(exc: Exception) -> Unavailable:
+    """What the callers of a failed model call hear (the model ran out of memory, say): the request
+    was not completed, retry later (503). The cause is logged once, here."""
+    if isinstance(exc, Unavailable):
+        return exc
+    log.error("an embedding model call failed", exc_info=exc)
+    failure = Unavailable("the embedding model failed; the request was not completed, retry later")
+    failure.__cause__ = exc
+    return failure
+
+
+def _finished(result) -> Future:
+    done = Future()
+    done.set_result(result)
+    return done
 
 
 class _TorchEncoder:

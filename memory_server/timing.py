@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from contextvars import ContextVar, copy_context
 from functools import partial, wraps
@@ -120,6 +121,15 @@ async def in_thread(function: Callable, *args, **kwargs):
     CPU, anyio's `to_thread` (FastAPI's and Starlette's thread pool) ~90 µs (bench/analysis.md, round 21)."""
     call = partial(copy_context().run, queued(function), *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(None, call)
+
+
+async def awaited(name: str, future: Future | None):
+    """The result of a concurrent Future (work handed to another thread, such as the model's),
+    awaited on the event loop, the wait timed as stage `name`; None for no future."""
+    if future is None:
+        return None
+    with stage(name):
+        return await asyncio.wrap_future(future)
 
 
 def name_os_thread(name: str | None = None) -> None:

@@ -195,6 +195,63 @@ def test_direct_routes_answer_exactly_as_fastapi_does(tmp_path, embedder):
     assert answers[True][2][2]["results"][0]["memory"] == "Alice keeps bees on her roof"
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_model_gets_only_the_texts_of_requests_that_pass_their_checks(tmp_path, embedder, monkeypatch, direct):
+    """A search's query and an add's text go to the model as the request arrives, on the event loop
+    (api/memories.py), after the request's checks: a refused one is never embedded."""
+    import uuid
+
+    from conftest import make_settings, start_server
+
+    handed, submit = [], embedder._batcher.submit
+    monkeypatch.setattr(embedder._batcher, "submit", lambda texts: handed.append(list(texts)) or submit(texts))
+    fresh = uuid.uuid4().hex  # texts the query cache has never seen
+    live, stop = start_server(make_settings(tmp_path, direct_routes=direct), embedder)
+    try:
+        with live.client() as c:
+            refused = [c.post("/v1/memories", json={"text": f"a fact of no one {fresh}"}),
+                       c.post("/v1/memories", json={"text": f"a fact {fresh}", "user_id": "alice",
+                                                    "expires_at": "2001-01-01T00:00:00Z"}),
+                       c.post("/v1/memories/search", json={"query": f"bees {fresh}", "top_k": 0, "user_id": "alice"}),
+                       c.post("/v1/memories/search", json={"query": f"bees {fresh}"})]
+            assert [r.status_code for r in refused] == [422, 422, 422, 422]
+            assert handed == []
+            added = c.post("/v1/memories", json={"text": f"Alice keeps bees {fresh}", "user_id": "alice"})
+            found = c.post("/v1/memories/search", json={"query": f"who keeps bees {fresh}", "user_id": "alice"})
+            keyword = c.post("/v1/memories/search", json={"query": f"bees {fresh}", "user_id": "alice",
+                                                          "mode": "keyword"})
+    finally:
+        stop()
+    assert added.status_code == 200 and "embed;dur=" in added.headers["server-timing"]
+    assert handed == [[f"Alice keeps bees {fresh}"], [f"who keeps bees {fresh}"]]  # the keyword search embeds nothing
+    assert found.json()["results"][0]["memory"] == f"Alice keeps bees {fresh}"
+    assert keyword.json()["results"][0]["memory"] == f"Alice keeps bees {fresh}"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_model_failure_is_a_503_over_http(tmp_path, embedder, monkeypatch, direct):
+    from conftest import make_settings, start_server
+
+    def out_of_memory(texts):
+        raise RuntimeError("the model ran out of memory")
+        yield
+
+    live, stop = start_server(make_settings(tmp_path, direct_routes=direct), embedder)
+    try:
+        with live.client() as c:
+            monkeypatch.setattr(embedder._batcher, "_encode_parts", out_of_memory)  # the micro-batches' model call
+            answers = [c.post("/v1/memories", json={"text": "Alice keeps a fact the model fails on", "user_id": "alice"}),
+                       c.post("/v1/memories/search", json={"query": "a query the model fails on", "user_id": "alice"})]
+            monkeypatch.undo()
+            assert c.get("/v1/memories", params={"user_id": "alice"}).json()["results"] == []
+    finally:
+        stop()
+    for response in answers:
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "unavailable"
+        assert "embedding model failed" in response.json()["error"]["message"]
+
+
 def test_a_direct_route_checks_the_key_before_it_reads_the_body(server):
     with httpx.Client(base_url=server.url, timeout=30) as anonymous:
         response = anonymous.post("/v1/memories/search", content=b'{"query": ', headers={"Content-Type": "application/json"})

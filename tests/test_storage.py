@@ -20,7 +20,7 @@ from sqlmodel import Session, select
 
 from conftest import MODEL_DIR, make_settings
 from memory_server.auth import list_keys
-from memory_server.errors import NotFound, StartupError, Unavailable
+from memory_server.errors import InvalidInput, NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
@@ -718,8 +718,109 @@ def test_a_failing_model_call_fails_only_the_callers_still_waiting(embedder):
     query, message = Future(), Future()
     batcher._embed([(["who keeps bees?"], query), (["a long message with its conversation " * 12], message)])
     assert query.result().shape == (1, embedder.dimension)
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(Unavailable, match="embedding model failed") as failed:  # a 503, retry later
         message.result()
+    assert "out of memory" in str(failed.value.__cause__)
+
+
+def test_texts_handed_to_the_model_early_get_the_vectors_of_the_plain_calls(embedder):
+    query, texts = "who keeps bees on a roof?", ["Alice keeps bees", "Bob rides a red bike to work"]
+    early = embedder.query_soon(query)
+    assert np.abs(early.result() - embedder.embed_query(query)).max() < 1e-6
+    assert embedder.query_soon(query).result() is embedder.embed_query(query)  # the cache answers at once
+    assert np.abs(embedder.embed_soon(texts).result() - embedder.embed(texts)).max() < 1e-5
+    assert embedder.embed_soon([]) is None
+    assert embedder.embed_soon(["a text"] * 5) is None  # more than a micro-batch: embed_ahead's work
+
+
+def test_searches_and_adds_started_early_answer_as_the_plain_calls(runtime, admin):
+    memories = runtime.memories
+    request = AddRequest(text="Rita grows tomatoes on her balcony", user_id="rita", metadata={"kind": "garden"})
+    ahead = memories.add_ahead(admin, request)
+    assert ahead.vectors is not None
+    added = memories.add(admin, request, ahead)
+    assert [r.event for r in added.results] == ["ADD"]
+    assert [r.event for r in memories.add(admin, request).results] == ["NOOP"]  # the same fact, the same memory
+    for mode in ("hybrid", "dense", "keyword"):
+        search = SearchRequest(query="what grows on the balcony", user_id="rita", mode=mode)
+        early = memories.search_ahead(admin, search)
+        assert (early is None) == (mode == "keyword")
+        assert memories.search(admin, search, early) == memories.search(admin, search)
+    # Refused before anything is embedded.
+    with pytest.raises(InvalidInput, match="user_id, agent_id, run_id"):
+        memories.add_ahead(admin, AddRequest(text="a fact of no one"))
+    with pytest.raises(InvalidInput, match="user_id, agent_id, run_id"):
+        memories.search_ahead(admin, SearchRequest(query="whose facts?"))
+
+
+def test_a_model_failure_is_a_503_whether_the_texts_went_early_or_not(runtime, admin, monkeypatch):
+    def out_of_memory(texts):
+        raise RuntimeError("the model ran out of memory")
+        yield
+
+    monkeypatch.setattr(runtime.embedder._batcher, "_encode_parts", out_of_memory)  # small calls, batched
+    monkeypatch.setattr(runtime.embedder._encoder, "encode", lambda texts: next(out_of_memory(texts)))  # large ones
+    memories = runtime.memories
+    search = SearchRequest(query="a query the cache has never seen", user_id="rita")
+    add = AddRequest(text="Rita keeps a fact the model cannot embed", user_id="rita")
+    for attempt in (lambda: memories.search(admin, search, memories.search_ahead(admin, search)),
+                    lambda: memories.search(admin, search),
+                    lambda: memories.add(admin, add, memories.add_ahead(admin, add)),
+                    lambda: memories.add(admin, add),
+                    lambda: memories.add_batch(admin, [AddRequest(text=f"fact {i}", user_id="rita") for i in range(40)])):
+        with pytest.raises(Unavailable, match="embedding model failed"):
+            attempt()
+    monkeypatch.undo()
+    assert memories.list(admin, user_id="rita").results == []  # nothing half-written
+
+
+def test_a_writer_waiting_for_the_sqlite_write_lock_takes_it_as_soon_as_it_is_free(tmp_path):
+    from memory_server.storage.db import BUSY_TIMEOUT_MS, begin_write
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'lock.db'}")
+    create_schema(engine)
+    holder, waiter = engine.connect(), engine.connect()
+    took = threading.Event()
+    try:
+        begin_write(holder)
+        holder.exec_driver_sql("CREATE TABLE notes (text TEXT)")
+        thread = threading.Thread(target=lambda: (begin_write(waiter), took.set()))
+        thread.start()
+        assert not took.wait(0.3)  # the lock is held: it waits
+        holder.exec_driver_sql("INSERT INTO notes VALUES ('written first')")
+        holder.commit()
+        assert took.wait(5)
+        thread.join()
+        # It reads what the first writer committed, and the busy timeout is back for other statements.
+        assert waiter.exec_driver_sql("SELECT text FROM notes").scalar() == "written first"
+        assert waiter.exec_driver_sql("PRAGMA busy_timeout").scalar() == BUSY_TIMEOUT_MS
+        waiter.rollback()
+    finally:
+        holder.close()
+        waiter.close()
+        engine.dispose()
+
+
+def test_a_writer_gives_up_on_the_sqlite_write_lock_after_the_busy_timeout(tmp_path):
+    from memory_server.storage.db import BUSY_TIMEOUT_MS, begin_immediate
+
+    path = tmp_path / "lock.db"
+    holder, waiter = sqlite3.connect(path), sqlite3.connect(path)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            begin_immediate(waiter, timeout=0.2)
+        assert time.monotonic() - started >= 0.2
+        assert waiter.execute("PRAGMA busy_timeout").fetchone()[0] == BUSY_TIMEOUT_MS
+        holder.rollback()
+        begin_immediate(waiter)
+        with pytest.raises(sqlite3.OperationalError, match="within a transaction"):  # not a busy lock: at once
+            begin_immediate(waiter)
+        assert waiter.execute("PRAGMA busy_timeout").fetchone()[0] == BUSY_TIMEOUT_MS
+    finally:
+        holder.close()
+        waiter.close()
 
 
 def test_an_update_answers_with_what_it_wrote_when_the_memory_is_deleted_right_after_its_commit(runtime, admin):

@@ -5,8 +5,8 @@ body to Python objects and then validating them, validating the response model b
 it) cost ~0.6 ms of CPU a search on a 2-core Zen 3, a third of what the request cost in-process
 (bench/analysis.md, round 21), and under load every request waits for the CPU of all the others.
 Here the same request is read, authenticated, parsed and validated as FastAPI does it (json.loads,
-then the body model), handed to the route's own blocking call (memory_server/api/memories.py,
-`DIRECT`) in a request thread, and its response model serialised; everything else goes to FastAPI.
+then the body model), handed to the route's own call (memory_server/api/memories.py, `DIRECT`: the
+one its FastAPI endpoint makes), and its response model serialised; everything else goes to FastAPI.
 
 The routes stay declared in FastAPI, which documents them (OpenAPI) and answers them when
 `MEMORY_SERVER_DIRECT_ROUTES=false`. Both ways give the same responses, errors included (the HTTP
@@ -27,19 +27,18 @@ from starlette.responses import Response
 from memory_server.api.deps import PRINCIPAL
 from memory_server.api.responses import response_for_error, validation_error_response
 from memory_server.errors import BadRequest
-from memory_server.timing import in_thread
 
 
 @dataclass(frozen=True)
 class DirectRoute:
     route: APIRoute  # FastAPI's declaration: its path names the route in /metrics
     body: type[BaseModel]
-    call: Callable  # (memories, principal, body) -> response model, blocking
+    call: Callable  # async (memories, principal, body) -> response model
 
 
 def direct_routes(router, calls) -> dict[tuple[str, str], DirectRoute]:
-    """(method, path) -> DirectRoute for each (endpoint, blocking call) of `calls`, read off the
-    endpoint's declaration in `router`: its path, methods and body model."""
+    """(method, path) -> DirectRoute for each (endpoint, call) of `calls`, read off the endpoint's
+    declaration in `router`: its path, methods and body model."""
     routes = {}
     for endpoint, call in calls:
         route = next(r for r in router.routes if isinstance(r, APIRoute) and r.endpoint is endpoint)
@@ -72,7 +71,7 @@ class DirectRoutes:
             if body is None:
                 return None
             request = _parse(direct.body, body, Headers(scope=scope).get("content-type"))
-            result = await in_thread(direct.call, self.fastapi.state.runtime.memories, scope[PRINCIPAL], request)
+            result = await direct.call(self.fastapi.state.runtime.memories, scope[PRINCIPAL], request)
             return Response(result.model_dump_json(), media_type="application/json")
         except ValidationError as exc:
             return validation_error_response(exc.errors(include_url=False))

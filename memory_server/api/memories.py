@@ -2,7 +2,13 @@
 
 Routes are `async def` and hand the blocking service call to the thread pool themselves with
 `in_thread` (see memory_server/api/deps.py for why). Add, batch add and search are the hot ones:
-memory_server/api/direct.py answers them ahead of FastAPI with the same blocking calls (`DIRECT`).
+memory_server/api/direct.py answers them ahead of FastAPI with the same calls (`DIRECT`).
+
+A search's query and a single add's texts go to the model as the request arrives, right after its
+checks, on the event loop, and a request thread is taken only once the vectors are back (stage
+`embed`): a model call gathers the texts of every request waiting in the worker, not only of those
+that have a request thread, and no request thread sits waiting for the model, so a few request
+threads serve many clients (bench/analysis.md, round 29).
 """
 
 from typing import Annotated
@@ -18,7 +24,7 @@ from memory_server.schemas import (
     MemoryPage, SearchRequest, SearchResponse, UpdateRequest,
 )
 from memory_server.services.vector_memory import VectorMemory
-from memory_server.timing import in_thread
+from memory_server.timing import awaited, in_thread
 
 router = APIRouter(prefix="/v1/memories", tags=["vector memory"],
                    responses=documented_errors(400, 401, 403, 413, 422, 503))
@@ -36,34 +42,38 @@ def _each_parameter_once(request: Request) -> None:
 ONCE = [Depends(_each_parameter_once)]
 
 
-def _add(memories: VectorMemory, principal: Principal, body: AddRequest) -> AddResponse:
-    return memories.add(principal, body)
+async def _add(memories: VectorMemory, principal: Principal, body: AddRequest) -> AddResponse:
+    ahead = memories.add_ahead(principal, body)  # checked, and its texts handed to the model now
+    await awaited("embed", ahead.vectors)  # a request thread is taken once they are embedded
+    return await in_thread(memories.add, principal, body, ahead)
 
 
-def _add_batch(memories: VectorMemory, principal: Principal, body: BatchAddRequest) -> AddResponse:
-    return memories.add_batch(principal, body.items)
+async def _add_batch(memories: VectorMemory, principal: Principal, body: BatchAddRequest) -> AddResponse:
+    return await in_thread(memories.add_batch, principal, body.items)
 
 
-def _search(memories: VectorMemory, principal: Principal, body: SearchRequest) -> SearchResponse:
-    return SearchResponse(results=memories.search(principal, body))
+async def _search(memories: VectorMemory, principal: Principal, body: SearchRequest) -> SearchResponse:
+    query_vector = memories.search_ahead(principal, body)  # checked, and its query handed to the model now
+    await awaited("embed", query_vector)
+    return SearchResponse(results=await in_thread(memories.search, principal, body, query_vector))
 
 
 @router.post("", response_model=AddResponse)
 async def add_memory(body: AddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
-    return await in_thread(_add, memories, principal, body)
+    return await _add(memories, principal, body)
 
 
 @router.post("/batch", response_model=AddResponse)
 async def add_memories(body: BatchAddRequest, principal: PrincipalDep, memories: MemoriesDep) -> AddResponse:
-    return await in_thread(_add_batch, memories, principal, body)
+    return await _add_batch(memories, principal, body)
 
 
 @router.post("/search", response_model=SearchResponse)
 async def search_memories(body: SearchRequest, principal: PrincipalDep, memories: MemoriesDep) -> SearchResponse:
-    return await in_thread(_search, memories, principal, body)
+    return await _search(memories, principal, body)
 
 
-# Routes memory_server/api/direct.py answers ahead of FastAPI: each route and the blocking call it makes.
+# Routes memory_server/api/direct.py answers ahead of FastAPI: each route and the call that answers it.
 DIRECT = ((add_memory, _add), (add_memories, _add_batch), (search_memories, _search))
 
 

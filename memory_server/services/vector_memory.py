@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import uuid
-from contextlib import nullcontext
+from concurrent.futures import Future
 from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
@@ -66,6 +66,20 @@ def to_public(row: MemoryRecord) -> MemoryOut:
 
 def text_hash(text: str) -> str:
     return hashlib.md5(text.encode()).hexdigest()  # mem0's `hash` field: md5 of the memory text
+
+
+class AddPlan(NamedTuple):
+    """An add's items, checked: the memories they make, when, and the warnings to answer with."""
+    now: datetime
+    memories: list[Planned]
+    warnings: list[str]
+
+
+class AddAhead(NamedTuple):
+    """An add planned as its request arrived, its texts embedding (VectorMemory.add_ahead);
+    `vectors` is None when they are too many to hand over that way (embedded when it runs)."""
+    plan: AddPlan
+    vectors: Future | None
 
 
 class Draft:
@@ -135,16 +149,27 @@ class VectorMemory:
                               "it is applied automatically once the index recovers") from exc
 
     # -- add -------------------------------------------------------------------------------
-    def add(self, principal: Principal, request: AddRequest) -> AddResponse:
+    def add(self, principal: Principal, request: AddRequest, ahead: AddAhead | None = None) -> AddResponse:
+        """`ahead`: what add_ahead made of this same request, its texts embedding already."""
+        if ahead is not None:
+            return self._add(principal, ahead.plan, ahead.vectors)
         with self.embedder.coming():  # its texts are on their way: a model call may wait for them
-            return self._add(principal, [request], batch=False)
+            return self._add(principal, self._plan(principal, [request], batch=False))
+
+    def add_ahead(self, principal: Principal, request: AddRequest) -> AddAhead:
+        """An add's checks (raising what add would), and its texts handed to the model at once
+        (Embedder.embed_soon), for `add(..., ahead=)` to store once they are embedded: the HTTP
+        layer calls it as the request arrives, on the event loop (api/direct.py)."""
+        plan = self._plan(principal, [request], batch=False)
+        return AddAhead(plan, self.embedder.embed_soon([embedding_input(p.text, p.context) for p in plan.memories]))
 
     def add_batch(self, principal: Principal, items: list[AddRequest]) -> AddResponse:
         if len(items) > self.settings.max_batch_items:
             raise InvalidInput(f"a batch holds at most {self.settings.max_batch_items} items", field="items")
-        return self._add(principal, items, batch=True)
+        return self._add(principal, self._plan(principal, items, batch=True))
 
-    def _add(self, principal: Principal, items: list[AddRequest], *, batch: bool) -> AddResponse:
+    def _plan(self, principal: Principal, items: list[AddRequest], *, batch: bool) -> AddPlan:
+        """What an add's items make, checked: raises on bad input before anything is embedded."""
         now = utcnow()
         planned: list[Planned] = []
         warnings: list[str] = []
@@ -163,9 +188,16 @@ class VectorMemory:
         if len(planned) > self.settings.max_batch_items:
             raise InvalidInput(f"a request may create at most {self.settings.max_batch_items} memories",
                                field="items" if batch else "messages")
+        return AddPlan(now, planned, warnings)
 
-        # Vectors arrive in order while the rest are still being embedded (see embed_ahead).
-        vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))
+    def _add(self, principal: Principal, plan: AddPlan, embedding: Future | None = None) -> AddResponse:
+        """Stores what `plan` makes; `embedding`: its vectors, handed to the model already."""
+        now, planned, warnings = plan
+        if embedding is not None:
+            with stage("embed"):
+                vectors = iter(embedding.result())
+        else:  # vectors arrive in order while the rest are still being embedded (see embed_ahead)
+            vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))
         draft = Draft(principal.tenant_id, now, len(planned), self.sparse)
         # A plain connection, no ORM session: an add runs Core statements only, and the session's
         # machinery cost ~110 µs a statement (bench/analysis.md, round 21).
@@ -350,22 +382,24 @@ class VectorMemory:
             {"tenant_id": m.tenant_id, "memory_id": m.id, "op": op, "created_at": now} for m, _, _ in changes])
 
     # -- search ----------------------------------------------------------------------------
-    def search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
-        # Its query is on its way (a keyword search embeds none): a model call may wait for it.
-        with self.embedder.coming() if request.mode != "keyword" else nullcontext():
+    def search(self, principal: Principal, request: SearchRequest,
+               query_vector: Future | None = None) -> list[ScoredMemory]:
+        """`query_vector`: what search_ahead handed to the model for this same request."""
+        if query_vector is not None or request.mode == "keyword":  # no query to wait for, or it is on its way
+            return self._search(principal, request, query_vector)
+        with self.embedder.coming():  # its query is on its way: a model call may wait for it
             return self._search(principal, request)
 
-    def _search(self, principal: Principal, request: SearchRequest) -> list[ScoredMemory]:
-        parts: list[Condition] = []
-        if request.filters is not None:
-            parts.append(parse_filters(request.filters))
-        for name in ("user_id", "agent_id", "run_id"):
-            if getattr(request, name) is not None:
-                parts.append(Field(name, "eq", getattr(request, name)))
-        condition = All(tuple(parts)) if parts else None
-        if not (principal.user_ids or principal.agent_ids or (condition is not None and bounds_scope(condition))):
-            raise InvalidInput("a search must name at least one of user_id, agent_id, run_id in filters",
-                               field="filters")
+    def search_ahead(self, principal: Principal, request: SearchRequest) -> Future | None:
+        """The search's checks (raising what search would), and its query vector handed to the
+        model now (Embedder.query_soon), for `search(..., query_vector=)`; None for a keyword
+        search, which embeds nothing. The HTTP layer calls it as the request arrives (api/direct.py)."""
+        self._condition(principal, request)
+        return self.embedder.query_soon(request.query) if request.mode != "keyword" else None
+
+    def _search(self, principal: Principal, request: SearchRequest,
+                query_vector: Future | None = None) -> list[ScoredMemory]:
+        condition = self._condition(principal, request)
         self._follow()
         now = utcnow()
         scope = restrict(principal, condition)
@@ -379,7 +413,7 @@ class VectorMemory:
         dense = None
         if request.mode != "keyword":
             with stage("embed"):
-                dense = self.embedder.embed_query(request.query).tolist()
+                dense = (query_vector.result() if query_vector else self.embedder.embed_query(request.query)).tolist()
         query = IndexQuery(
             mode=request.mode,
             filter=expiring if self.index.may_hold_expired(now.timestamp()) else scope,
@@ -394,6 +428,21 @@ class VectorMemory:
         if expired and query.filter is scope:
             results, _ = self._answer(principal, request, replace(query, filter=expiring), now)
         return results
+
+    @staticmethod
+    def _condition(principal: Principal, request: SearchRequest) -> Condition | None:
+        """The search's filters and scope fields as one condition, checked: it must bound a scope."""
+        parts: list[Condition] = []
+        if request.filters is not None:
+            parts.append(parse_filters(request.filters))
+        for name in ("user_id", "agent_id", "run_id"):
+            if getattr(request, name) is not None:
+                parts.append(Field(name, "eq", getattr(request, name)))
+        condition = All(tuple(parts)) if parts else None
+        if not (principal.user_ids or principal.agent_ids or (condition is not None and bounds_scope(condition))):
+            raise InvalidInput("a search must name at least one of user_id, agent_id, run_id in filters",
+                               field="filters")
+        return condition
 
     def _answer(self, principal: Principal, request: SearchRequest, query: IndexQuery,
                 now: datetime) -> tuple[list[ScoredMemory], bool]:

@@ -20,13 +20,15 @@ log = logging.getLogger("memory_server")
 
 # Serialises change-log appends on PostgreSQL so positions become visible in order.
 CHANGE_LOG_LOCK_ID = 0x6D656D6F
+# How long an SQLite statement waits for another connection's lock before "database is locked".
+BUSY_TIMEOUT_MS = 30000
 
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # A pool as large as the request thread pool: an overflow connection is opened and closed
         # per request otherwise, PRAGMAs and all.
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000},
                                pool_size=40, max_overflow=20)
 
         @event.listens_for(engine, "connect")
@@ -35,7 +37,7 @@ def make_engine(url: str) -> Engine:
             _use_wal(cursor)
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             cursor.close()
 
         return engine
@@ -124,10 +126,35 @@ def begin_write(connection: Connection) -> None:
     would begin at the first write, after the reads). PostgreSQL: the change log's lock, which every
     write takes anyway (lock_change_log)."""
     if connection.dialect.name == "sqlite":
-        if not connection.connection.dbapi_connection.in_transaction:
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        dbapi_connection = connection.connection.dbapi_connection
+        if not dbapi_connection.in_transaction:
+            begin_immediate(dbapi_connection)
     else:
         lock_change_log(connection)
+
+
+def begin_immediate(dbapi_connection: sqlite3.Connection, timeout: float | None = None) -> None:
+    """`BEGIN IMMEDIATE`, tried again every 0.2-2 ms while another writer holds the lock, for up to
+    `timeout` seconds (the busy timeout; then SQLite's "database is locked"). SQLite's own busy
+    handler sleeps 1, 2, 5, 10, ... 100 ms between its tries, however briefly the lock is held: under
+    load the slowest 1% of adds waited ~130 ms for a lock held ~1 ms at a time (bench/analysis.md,
+    round 29). The busy handler is off only for these tries; every other statement keeps it."""
+    deadline = time.monotonic() + (BUSY_TIMEOUT_MS / 1000 if timeout is None else timeout)
+    pause = 0.0002
+    dbapi_connection.execute("PRAGMA busy_timeout=0")
+    try:
+        while True:
+            try:
+                dbapi_connection.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                # (the low byte: SQLITE_BUSY whatever the extended code)
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+    finally:
+        dbapi_connection.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
 def lock_change_log(session: Session | Connection) -> None:

@@ -183,6 +183,7 @@ class Embedder:
                 self._cache.move_to_end(text)
                 return _finished(hit)
         vector: Future = Future()
+        vector.set_running_or_notify_cancel()  # not cancellable: `remember` always sets it
 
         def remember(embedded: Future) -> None:
             try:
@@ -326,7 +327,7 @@ class _MicroBatcher:
         """The callers of the next model call: the first one waiting, whoever else is queued, and,
         while others are still coming, whoever comes within the wait."""
         first = _NUDGE
-        while first is _NUDGE:
+        while first is _NUDGE or not first[1].set_running_or_notify_cancel():  # a cancelled caller is dropped
             first = self._queue.get()
         batch = [first]
         count, longest = len(first[0]), max(map(len, first[0]))
@@ -342,7 +343,9 @@ class _MicroBatcher:
                     caller = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
-            if caller is not _NUDGE:
+            # A caller that cancelled its Future (an awaiting request cancelled) is dropped; once running,
+            # a Future cannot be cancelled, so setting its result below never fails.
+            if caller is not _NUDGE and caller[1].set_running_or_notify_cancel():
                 batch.append(caller)
                 count, longest = count + len(caller[0]), max(longest, *map(len, caller[0]))
         return batch
@@ -382,6 +385,7 @@ def model_failed(exc: Exception) -> Unavailable:
 
 def _finished(result) -> Future:
     done = Future()
+    done.set_running_or_notify_cancel()
     done.set_result(result)
     return done
 

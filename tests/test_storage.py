@@ -723,6 +723,22 @@ def test_a_failing_model_call_fails_only_the_callers_still_waiting(embedder):
     assert "out of memory" in str(failed.value.__cause__)
 
 
+def test_a_caller_that_cancels_while_queued_is_left_out_and_the_model_call_goes_on(embedder):
+    """A request awaiting its vectors on the event loop may be cancelled (a server stopping):
+    asyncio then cancels the Future it awaited. The model's thread must not fail setting it."""
+    from memory_server.embedding import _MicroBatcher
+
+    batcher = _MicroBatcher(embedder._encoder.encode_parts, embedder.dimension, workers=0)  # _gather/_embed run here
+    gone, kept = batcher.submit(["a query whose request was cancelled"]), batcher.submit(["who keeps bees?"])
+    assert gone.cancel()
+    batch = batcher._gather()
+    assert [texts for texts, _ in batch] == [["who keeps bees?"]]
+    assert not kept.cancel()  # running now: too late to cancel
+    batcher._embed(batch)
+    assert kept.result().shape == (1, embedder.dimension) and gone.cancelled()
+    assert not embedder.query_soon("a query a caller may not cancel").cancel()
+
+
 def test_texts_handed_to_the_model_early_get_the_vectors_of_the_plain_calls(embedder):
     query, texts = "who keeps bees on a roof?", ["Alice keeps bees", "Bob rides a red bike to work"]
     early = embedder.query_soon(query)

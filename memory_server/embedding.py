@@ -174,7 +174,7 @@ class Embedder:
     def query_soon(self, text: str) -> Future:
         """embed_query's vector, as a Future: the text goes to the model now (or the cache answers
         at once), and the caller does other work, or awaits it on an event loop, meanwhile. The HTTP
-        layer hands a search's query over as the request arrives (api/direct.py): a model call then
+        layer hands a search's query over as the request arrives (api/memories.py): a model call then
         gathers the texts of every request waiting in the worker, not only of those that have
         reached a request thread (bench/analysis.md, round 29)."""
         with self._cache_lock:

@@ -159,7 +159,7 @@ class VectorMemory:
     def add_ahead(self, principal: Principal, request: AddRequest) -> AddAhead:
         """An add's checks (raising what add would), and its texts handed to the model at once
         (Embedder.embed_soon), for `add(..., ahead=)` to store once they are embedded: the HTTP
-        layer calls it as the request arrives, on the event loop (api/direct.py)."""
+        layer calls it as the request arrives, on the event loop (api/memories.py)."""
         plan = self._plan(principal, [request], batch=False)
         return AddAhead(plan, self.embedder.embed_soon([embedding_input(p.text, p.context) for p in plan.memories]))
 
@@ -393,7 +393,7 @@ class VectorMemory:
     def search_ahead(self, principal: Principal, request: SearchRequest) -> Future | None:
         """The search's checks (raising what search would), and its query vector handed to the
         model now (Embedder.query_soon), for `search(..., query_vector=)`; None for a keyword
-        search, which embeds nothing. The HTTP layer calls it as the request arrives (api/direct.py)."""
+        search, which embeds nothing. The HTTP layer calls it as the request arrives (api/memories.py)."""
         self._condition(principal, request)
         return self.embedder.query_soon(request.query) if request.mode != "keyword" else None
 

@@ -53,9 +53,9 @@ async def _add_batch(memories: VectorMemory, principal: Principal, body: BatchAd
 
 
 async def _search(memories: VectorMemory, principal: Principal, body: SearchRequest) -> SearchResponse:
-    query_vector = memories.search_ahead(principal, body)  # checked, and its query handed to the model now
-    await awaited("embed", query_vector)
-    return SearchResponse(results=await in_thread(memories.search, principal, body, query_vector))
+    ahead = memories.search_ahead(principal, body)  # checked, and its query handed to the model now
+    await awaited("embed", ahead.query_vector)
+    return SearchResponse(results=await in_thread(memories.search, principal, body, ahead))
 
 
 @router.post("", response_model=AddResponse)

@@ -82,6 +82,13 @@ class AddAhead(NamedTuple):
     vectors: Future | None
 
 
+class SearchAhead(NamedTuple):
+    """A search checked as its request arrived, its query embedding (VectorMemory.search_ahead):
+    its filters and scope as one condition, and its query vector (None for a keyword search)."""
+    condition: Condition | None
+    query_vector: Future | None
+
+
 class Draft:
     """What an add is about to write and answer, built while the model embeds the rest of its texts."""
 
@@ -382,24 +389,26 @@ class VectorMemory:
             {"tenant_id": m.tenant_id, "memory_id": m.id, "op": op, "created_at": now} for m, _, _ in changes])
 
     # -- search ----------------------------------------------------------------------------
-    def search(self, principal: Principal, request: SearchRequest,
-               query_vector: Future | None = None) -> list[ScoredMemory]:
-        """`query_vector`: what search_ahead handed to the model for this same request."""
-        if query_vector is not None or request.mode == "keyword":  # no query to wait for, or it is on its way
-            return self._search(principal, request, query_vector)
-        with self.embedder.coming():  # its query is on its way: a model call may wait for it
-            return self._search(principal, request)
-
-    def search_ahead(self, principal: Principal, request: SearchRequest) -> Future | None:
-        """The search's checks (raising what search would), and its query vector handed to the
-        model now (Embedder.query_soon), for `search(..., query_vector=)`; None for a keyword
-        search, which embeds nothing. The HTTP layer calls it as the request arrives (api/memories.py)."""
-        self._condition(principal, request)
-        return self.embedder.query_soon(request.query) if request.mode != "keyword" else None
-
-    def _search(self, principal: Principal, request: SearchRequest,
-                query_vector: Future | None = None) -> list[ScoredMemory]:
+    def search(self, principal: Principal, request: SearchRequest, ahead: SearchAhead | None = None) -> list[ScoredMemory]:
+        """`ahead`: what search_ahead made of this same request, its query embedding already."""
+        if ahead is not None:
+            return self._search(principal, request, ahead.condition, ahead.query_vector)
         condition = self._condition(principal, request)
+        if request.mode == "keyword":  # no query to embed
+            return self._search(principal, request, condition)
+        with self.embedder.coming():  # its query is on its way: a model call may wait for it
+            return self._search(principal, request, condition)
+
+    def search_ahead(self, principal: Principal, request: SearchRequest) -> SearchAhead:
+        """The search's checks (raising what search would), and its query handed to the model now
+        (Embedder.query_soon), for `search(..., ahead=)`; a keyword search embeds nothing. The HTTP
+        layer calls it as the request arrives, on the event loop (api/memories.py)."""
+        condition = self._condition(principal, request)
+        return SearchAhead(condition, self.embedder.query_soon(request.query) if request.mode != "keyword" else None)
+
+    def _search(self, principal: Principal, request: SearchRequest, condition: Condition | None,
+                query_vector: Future | None = None) -> list[ScoredMemory]:
+        """`condition`: the request's, checked (_condition); `query_vector`: its query, embedding already."""
         self._follow()
         now = utcnow()
         scope = restrict(principal, condition)

@@ -325,6 +325,43 @@ def test_contract_refused_names_the_points_a_write_would_fail_on_without_writing
     assert index.info().points == 0  # nothing written
 
 
+def test_contract_prepare_builds_the_write_ahead_and_leaves_a_point_it_cannot_convert(backend_runtime):
+    index = backend_runtime.index
+    vector = [1.0] + [0.0] * (index.dimension - 1)
+    payload = {"tenant": "tA", "user_id": "u", "agent_id": "", "run_id": "", "metadata": {"k": "v"}, "expires_at": 4e9}
+    good = IndexPoint("7d9f1c8e-0000-4000-8000-000000000001", vector, SparseVector([11], [1.0]), payload)
+    prepared = index.prepare(good)
+    assert prepared.native is not None and prepared == good  # the same point, its write built
+    bad = replace(good, id="7d9f1c8e-0000-4000-8000-000000000002", payload={**payload, "metadata": {"k": "\ud800"}})
+    assert index.refused([index.prepare(bad)]) == [bad.id]  # found as before, prepared or not
+    index.apply([prepared], [], 7)
+    query = IndexQuery(mode="dense", filter=All((Field("tenant", "eq", "tA"), Field("metadata.k", "eq", "v"))),
+                       limit=5, dense=vector)
+    assert [h.id for h in index.search(query)] == [good.id] and index.applied_position() == 7
+
+
+def test_a_large_add_written_with_points_prepared_beside_its_commit_is_indexed_as_stored(backend_runtime, admin):
+    """A write of PREPARE_BESIDE_MIN new memories or more has its points converted on another
+    thread during the commit, after its rows were stamped under the write lock: the index holds
+    the stamped times, which a created_at filter finds."""
+    from memory_server.services.vector_memory import PREPARE_BESIDE_MIN
+
+    memories = backend_runtime.memories
+    memories.add(admin, AddRequest(text="Ada waters the ferns on Sundays", user_id="ada"))
+    assert memories._preparer is None  # a few points: converted where they are written
+    items = [AddRequest(text=f"Ada's reading list, book {n}: volume {n * 7}", user_id="ada", metadata={"n": n})
+             for n in range(PREPARE_BESIDE_MIN + 6)]
+    added = memories.add_batch(admin, items).results
+    assert memories._preparer is not None and {r.event for r in added} == {"ADD"}
+    stamped = memories.get(admin, added[0].id).created_at
+    for mode in ("dense", "keyword", "hybrid"):
+        found = memories.search(admin, SearchRequest(
+            query="book 12 of the reading list", mode=mode, top_k=100,
+            filters={"user_id": "ada", "created_at": {"gte": stamped.isoformat()}, "metadata.n": {"gte": 0}}))
+        assert {h.id for h in found} == {r.id for r in added}
+        assert all(h.created_at == stamped for h in found)
+
+
 def test_a_memory_the_index_cannot_hold_is_left_out_and_every_later_change_still_applies(tmp_path, embedder, admin,
                                                                                            caplog):
     """A stored memory whose point no index takes (data no request may write any more: an older

@@ -8,7 +8,8 @@ import json
 import logging
 import re
 import uuid
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from itertools import islice
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ from memory_server.storage.db import begin_write, driver_rows, lock_change_log, 
 from memory_server.storage.vectors import IndexPoint, IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
-from memory_server.timing import stage, timed_iter
+from memory_server.timing import name_os_thread, stage, timed_iter
 
 log = logging.getLogger("memory_server")
 _NEVER = datetime(9999, 12, 31, tzinfo=timezone.utc)
@@ -55,6 +56,9 @@ class Planned(NamedTuple):
 
 NEAR_CANDIDATES = 8  # closest live memories of the scope compared for near-duplicates
 TIE_MARGIN = 8  # extra hits fetched so that ties at the top_k boundary are cut deterministically
+# A write of at least this many new memories has its index points converted on a thread of its
+# own while the rows are inserted and committed (VectorMemory._prepare_beside).
+PREPARE_BESIDE_MIN = 64
 INFER_WARNING = "infer=true is not available yet: each message was stored as-is (infer=false)"
 
 
@@ -144,6 +148,22 @@ class VectorMemory:
         self.index = index
         self.sync = sync
         self.sparse = sparse
+        self._preparer: ThreadPoolExecutor | None = None
+        self._preparer_lock = threading.Lock()
+
+    def _prepare_beside(self, points: dict[str, IndexPoint]) -> Future | None:
+        """`points` converted into the index's own form (VectorIndex.prepare) on another thread, for
+        the write that follows the commit; None for a few points, which cost less than the hand-over.
+        A batch add's points are final only once its rows are stamped under the write lock, and their
+        conversion (~35 µs a point on Edge, mostly the payload) then ran on one core after the model
+        had finished, while the other idled: beside the inserts and the commit it costs no time."""
+        if len(points) < PREPARE_BESIDE_MIN:
+            return None
+        with self._preparer_lock:
+            if self._preparer is None:
+                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="index-prepare", initializer=name_os_thread)
+        prepare = self.index.prepare
+        return self._preparer.submit(lambda: {i: prepare(p) for i, p in points.items()})
 
     def _publish(self, prepared: dict[str, IndexPoint] | None = None) -> None:
         """Apply the committed change to the index before answering (read-your-writes)."""
@@ -232,14 +252,16 @@ class VectorMemory:
                     locked_at, moved = utcnow(), change_log_head(connection) != head
                     if moved or draft.noops:
                         self._recheck_under_lock(connection, draft, locked_at, moved)
+                converted = None
                 if draft.rows:
                     _stamp(draft.rows, draft.prepared, locked_at)
                     # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
                     connection.execute(MemoryRecord.__table__.insert(), draft.rows)
                     self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in draft.rows], "ADD",
                                  principal.key_id)
+                    converted = self._prepare_beside(draft.prepared)  # beside the commit, which leaves the GIL
                 connection.commit()
-        self._publish(draft.prepared)
+        self._publish(converted.result() if converted is not None else draft.prepared)
         return AddResponse(results=draft.results, warnings=warnings)
 
     def _follow(self, head: int | None = None) -> None:

@@ -20,6 +20,8 @@ class IndexPoint:
     dense: list[float]
     sparse: SparseVector
     payload: dict
+    # The backend's own form of the point, when built ahead of the write (VectorIndex.prepare).
+    native: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,12 @@ class VectorIndex(Protocol):
     # Memories this index could not hold (IndexSync._apply), kept with the position: the next
     # write of the position records the set as it is then, and opening the index reads it back.
     left_out: frozenset[str]
+
+    def prepare(self, point: IndexPoint) -> IndexPoint:
+        """The point with its backend form built now (`native`), so that the write that applies
+        it later converts nothing: a batch add prepares its points while the model still embeds
+        its later texts, off the write that follows its commit. A point the backend cannot
+        convert comes back as it was (the write then finds it: see refused)."""
 
     def upsert(self, points: list[IndexPoint]) -> None: ...
 

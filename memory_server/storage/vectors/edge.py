@@ -9,6 +9,7 @@ change log, which keeps them all in step with the database.
 import fcntl
 import shutil
 import threading
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -222,6 +223,12 @@ class EdgeIndex:
             self._earliest_expiry = None
 
     # -- writes ----------------------------------------------------------------------------
+    def prepare(self, point: IndexPoint) -> IndexPoint:
+        try:
+            return replace(point, native=_edge_point(point))
+        except Exception:  # the binding's conversion: see refused
+            return point
+
     def upsert(self, points: list[IndexPoint]) -> None:
         if points:
             self._upsert(points)
@@ -421,4 +428,6 @@ def _field(leaf: Field):
 
 
 def _edge_point(p: IndexPoint) -> qe.Point:
+    if p.native is not None:  # prepared ahead (EdgeIndex.prepare)
+        return p.native
     return qe.Point(p.id, {"dense": p.dense, "bm25": qe.SparseVector(p.sparse.indices, p.sparse.values)}, p.payload)

@@ -1,6 +1,7 @@
 """A Qdrant server (or cluster) through qdrant-client, behind the same VectorIndex interface."""
 
 import time
+from dataclasses import replace
 
 from pydantic_core import PydanticSerializationError
 from qdrant_client import QdrantClient, models
@@ -73,6 +74,12 @@ class QdrantServerIndex:
     def reset(self) -> None:
         self.client.delete_collection(self.collection)
         self._open()
+
+    def prepare(self, point: IndexPoint) -> IndexPoint:
+        try:
+            return replace(point, native=_point(point))
+        except (ValueError, TypeError):  # the client's model refuses it: see refused
+            return point
 
     def upsert(self, points: list[IndexPoint]) -> None:
         if points:
@@ -190,6 +197,8 @@ def _deletes(ids: list[str]) -> list:
 
 
 def _point(p: IndexPoint) -> models.PointStruct:
+    if p.native is not None:  # prepared ahead (QdrantServerIndex.prepare)
+        return p.native
     return models.PointStruct(
         id=p.id,
         vector={"dense": p.dense, "bm25": models.SparseVector(indices=p.sparse.indices, values=p.sparse.values)},

@@ -566,6 +566,45 @@ def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtim
     assert results[0].id in {h.id for h in hits}
 
 
+@pytest.mark.parametrize("change", ["delete", "update"])
+def test_a_fact_whose_noop_target_went_while_it_embedded_is_a_noop_to_another_stored_copy(
+        runtime, admin, monkeypatch, change):
+    """A review's leftover (session 29): a fact answered NOOP to a stored memory that was deleted or
+    changed while the add embedded was then checked only against the request's own new memories,
+    so a second stored memory holding it in other words (made by an update, which has no dedup)
+    got a copy beside it. It is a NOOP to that one now; the lost target is never the answer."""
+    import threading
+
+    import numpy as np
+
+    from memory_server.schemas import AddRequest, UpdateRequest
+
+    texts = ["Lee keeps bees on the roof", "Lee keeps bees up on the roof", "Lee keeps bees on the roof!"]
+    first, second, fact = runtime.embedder.embed(texts)
+    threshold = runtime.settings.dedup_threshold
+    assert np.dot(fact, first) > np.dot(fact, second) >= threshold  # the first is the NOOP target
+    target = runtime.memories.add(admin, AddRequest(text=texts[0], user_id="lee")).results[0]
+    other = runtime.memories.add(admin, AddRequest(text="Lee owns a red kayak", user_id="lee")).results[0]
+    runtime.memories.update(admin, other.id, UpdateRequest(text=texts[1]))
+    held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
+    batch = [AddRequest(text=texts[2], user_id="lee"), AddRequest(text="Lee plays chess on Sundays", user_id="lee")]
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(runtime.memories.add_batch(admin, batch)), name="slow-batch")
+    slow.start()
+    assert held.wait(30)
+    if change == "delete":
+        runtime.memories.delete(admin, target.id)
+    else:
+        runtime.memories.update(admin, target.id, UpdateRequest(text="Lee sold the bees"))
+    release.set()
+    slow.join(30)
+    results = answers[0].results
+    assert [(r.event, r.id, r.memory) for r in results[:1]] == [("NOOP", other.id, texts[1])]
+    assert results[1].event == "ADD"
+    listed = sorted(m.memory for m in runtime.memories.list(admin, user_id="lee", limit=100).results)
+    assert listed == sorted([texts[1], "Lee plays chess on Sundays"] + (["Lee sold the bees"] if change == "update" else []))
+
+
 def hold_before_the_write_lock(monkeypatch, thread_name: str):
     """(held, release): an add running in the thread named `thread_name` sets `held` once its texts
     are embedded and its checks done, just before it takes the write lock, and waits for `release`."""

@@ -234,7 +234,7 @@ class VectorMemory:
                 existing = self._exact_duplicates(connection, principal.tenant_id, planned, now)
             self._follow(head)  # the near-duplicate check asks the index: it must hold what others wrote
             for group in _groups(zip(planned, vectors), self.embedder.batch_size):
-                stored = self._stored_near_duplicates(connection, principal, group, existing, now)
+                stored = self._stored_near_duplicates(connection, principal.tenant_id, group, existing, now)
                 for (planned_memory, vector), candidates in zip(group, stored):
                     scope, text, context = planned_memory.scope, planned_memory.text, planned_memory.context
                     # A message embedded with its conversation is compared by text only: overlapping
@@ -283,8 +283,10 @@ class VectorMemory:
         - a memory that another add (a retry, another worker) committed meanwhile makes this add's
           copy of it a NOOP to that memory;
         - a stored memory this add answers NOOP to that was deleted, expired or changed meanwhile
-          no longer holds the fact, so the fact is added after all (a batch said NOOP to memories a
-          scope delete had just removed, 49 of 60 rounds; a review, session 28).
+          no longer holds the fact (a batch said NOOP to memories a scope delete had just removed,
+          49 of 60 rounds; a review, session 28): the fact is a NOOP to another stored memory that
+          holds it in other words, if one does (checked against the index as this add followed it),
+          or else added after all.
         Only the exact-text check and the NOOP targets' rows run under the lock (~0.2 ms an add, ~25
         ms a batch of 1,000 on a Zen 3; the new rows' check only when the change log `moved`). Expiry
         is judged at `now`, not when the add began: a NOOP to a memory that expired while the add
@@ -299,9 +301,14 @@ class VectorMemory:
                                       [*(draft.fresh if moved else ()), *(p for _, p, _ in lost)], now)
         replaced = draft.drop({row["id"]: late[(planned.scope, row["hash"])] for row, planned in zip(draft.rows, draft.fresh)
                                if (planned.scope, row["hash"]) in late})
-        for place, planned, vector in lost:
+        # A lost fact may still be held by another stored memory in other words: the index as this
+        # add followed it (a point changed since may be stale: the lost targets are never taken).
+        gone = {results[place].id for place, _, _ in lost}
+        stored = self._stored_near_duplicates(connection, draft.tenant_id, [(p, v) for _, p, v in lost], late, now) if lost else []
+        for (place, planned, vector), candidates in zip(lost, stored):
             key = (planned.scope, text_hash(planned.text))
-            duplicate = late.get(key) or self._near_duplicate(planned.text, vector, draft.added.get(planned.scope, ()), [])
+            duplicate = late.get(key) or self._near_duplicate(planned.text, vector, draft.added.get(planned.scope, ()),
+                                                              [c for c in candidates if c[0] not in gone])
             duplicate = replaced.get(duplicate[0], duplicate) if duplicate else None
             # The first of the lost ones with its text is added, the ones like it are NOOPs to it.
             results[place] = (AddResult(id=duplicate[0], memory=duplicate[1], event="NOOP") if duplicate
@@ -359,7 +366,7 @@ class VectorMemory:
         found = connection.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
         return {((u, a, r), h): (i, text) for i, u, a, r, h, text in found if ((u, a, r), h) in wanted}
 
-    def _stored_near_duplicates(self, connection: Connection, principal: Principal, group: list[tuple[Planned, np.ndarray]],
+    def _stored_near_duplicates(self, connection: Connection, tenant_id: str, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
         """For each planned memory of a group: the stored memories of its scope that it comes close
         to (cosine >= the dedup threshold), as (id, text), closest first. One batched index query
@@ -373,7 +380,7 @@ class VectorMemory:
         # Only the close ones come back (min_score): the rest cost the index's answer and Python
         # objects for nothing (8 ids a memory, ~5% of a batch add's calling thread at 10k).
         queries = [IndexQuery(mode="dense", limit=NEAR_CANDIDATES, dense=group[i][1].tolist(), min_score=threshold, filter=All((
-            Field("scope", "eq", scope_key(principal.tenant_id, *group[i][0].scope)), *alive,
+            Field("scope", "eq", scope_key(tenant_id, *group[i][0].scope)), *alive,
         ))) for i in wanted]
         with stage("index"):
             hit_lists = self.index.search_batch(queries) if queries else []

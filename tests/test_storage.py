@@ -24,7 +24,7 @@ from memory_server.errors import InvalidInput, NotFound, StartupError, Unavailab
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import point_for
-from memory_server.storage.db import create_schema, make_engine
+from memory_server.storage.db import create_schema, driver_rows, make_engine, placeholders
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
 FACTS = [
@@ -1020,3 +1020,33 @@ def test_a_qdrant_collection_made_before_the_scope_field_asks_for_reindex(tmp_pa
     settings = make_settings(tmp_path / "data", qdrant_url=":memory:")
     with pytest.raises(StartupError, match="run `memory-server reindex` once"):
         _rebuild_outdated(settings, index, IndexSync(None, index, SparseEncoder()))
+
+
+def test_rows_encoded_ahead_are_stored_as_sqlalchemys_own_insert_stores_them(runtime):
+    # A batch add inserts values converted as its rows were made (RowEncoder), with its creation
+    # time given at the insert: read back, every column is what SQLAlchemy's insert stores.
+    from memory_server.storage.db import RowEncoder
+
+    table = MemoryRecord.__table__
+    encoder = RowEncoder(runtime.engine, table, late=("created_at", "updated_at"))
+    made = datetime(2026, 3, 4, 5, 6, 7, 891011, tzinfo=timezone.utc)
+    later = datetime(2026, 3, 4, 12, 0, tzinfo=timezone(timedelta(hours=5, minutes=30)))
+    ids = new_memory_ids(2)
+    rows = [{"id": memory_id, "tenant_id": "t1", "user_id": "zoë", "agent_id": None, "run_id": "r-1",
+             "text": "Zoë's \"café\" order: 2× flat white", "context": None, "hash": "0" * 32,
+             "metadata": {"tags": ["a", "ü"], "n": 1.5, "nested": {"ok": True, "none": None}},
+             "embedding": np.arange(384, dtype=np.float32).tobytes(), "created_at": made, "updated_at": made,
+             "expires_at": later} for memory_id in ids]
+    with runtime.engine.connect() as connection:
+        connection.execute(table.insert(), rows[:1])
+        encoder.insert(connection, [encoder.encode({**rows[1], "created_at": None})], created_at=made, updated_at=made)
+        connection.commit()
+    with Session(runtime.engine) as session:
+        stored = {row.id: row.model_dump() for row in session.exec(select(MemoryRecord).where(MemoryRecord.id.in_(ids)))}
+    first, second = ({k: v for k, v in stored[i].items() if k != "id"} for i in ids)
+    assert first == second
+    with runtime.engine.connect() as connection:  # as stored, too: SQL compares times as stored
+        raw = [driver_rows(connection, f"SELECT * FROM memories WHERE id = {placeholders(connection, 1)}", (i,))[0][1:]
+               for i in ids]
+    assert raw[0] == raw[1]
+    assert second["created_at"] == made and second["expires_at"] == later and second["meta"] == rows[0]["metadata"]

@@ -33,7 +33,7 @@ from memory_server.schemas import (
 )
 from memory_server.services.filters import bounds_scope, parse_filters, restrict
 from memory_server.services.index_sync import IndexSync, change_log_head, point_for, scope_key
-from memory_server.storage.db import begin_write, driver_rows, lock_change_log, placeholders, stored_json, stored_time
+from memory_server.storage.db import RowEncoder, begin_write, driver_rows, lock_change_log, placeholders, stored_json, stored_time
 from memory_server.storage.vectors import IndexPoint, IndexQuery, VectorIndex
 from memory_server.storage.vectors.filters import All, Condition, Field
 from memory_server.storage.vectors.sparse import SparseEncoder
@@ -96,10 +96,11 @@ class SearchAhead(NamedTuple):
 class Draft:
     """What an add is about to write and answer, built while the model embeds the rest of its texts."""
 
-    def __init__(self, tenant_id: str, now: datetime, size: int, sparse: SparseEncoder):
-        self.tenant_id, self.now, self.sparse = tenant_id, now, sparse
+    def __init__(self, tenant_id: str, now: datetime, size: int, sparse: SparseEncoder, encoder: RowEncoder):
+        self.tenant_id, self.now, self.sparse, self.encoder = tenant_id, now, sparse, encoder
         self.ids = iter(new_memory_ids(size))
         self.rows: list[dict] = []
+        self.encoded: dict[str, list] = {}  # the rows' values for the driver, by id (see RowEncoder)
         self.fresh: list[Planned] = []  # what each row was planned as
         self.prepared: dict[str, IndexPoint] = {}  # the rows' index points (see IndexSync._changes)
         self.added: dict[Scope, list[tuple[np.ndarray, str, str]]] = {}  # the new memories' (vector, id, text)
@@ -114,6 +115,7 @@ class Draft:
                           "run_id": scope[2], "text": text, "context": context, "hash": text_hash(text),
                           "metadata": metadata, "embedding": vector.tobytes(), "created_at": self.now,
                           "updated_at": self.now, "expires_at": expires_at})
+        self.encoded[memory_id] = self.encoder.encode(self.rows[-1])
         self.fresh.append(planned)
         self.prepared[memory_id] = point_for(SimpleNamespace(**self.rows[-1], meta=metadata), self.sparse)
         self.added.setdefault(scope, []).append((vector, memory_id, text))
@@ -148,6 +150,7 @@ class VectorMemory:
         self.index = index
         self.sync = sync
         self.sparse = sparse
+        self._memory_rows = RowEncoder(engine, MemoryRecord.__table__, late=("created_at", "updated_at"))
         self._preparer: ThreadPoolExecutor | None = None
         self._preparer_lock = threading.Lock()
 
@@ -225,7 +228,7 @@ class VectorMemory:
                 vectors = iter(embedding.result())
         else:  # vectors arrive in order while the rest are still being embedded (see embed_ahead)
             vectors = timed_iter("embed", self.embedder.embed_ahead([embedding_input(p.text, p.context) for p in planned]))
-        draft = Draft(principal.tenant_id, now, len(planned), self.sparse)
+        draft = Draft(principal.tenant_id, now, len(planned), self.sparse, self._memory_rows)
         # A plain connection, no ORM session: an add runs Core statements only, and the session's
         # machinery cost ~110 µs a statement (bench/analysis.md, round 21).
         with self.engine.connect() as connection:
@@ -255,8 +258,10 @@ class VectorMemory:
                 converted = None
                 if draft.rows:
                     _stamp(draft.rows, draft.prepared, locked_at)
-                    # Core inserts (table, not ORM class): the ORM's bulk path cost more than the rows.
-                    connection.execute(MemoryRecord.__table__.insert(), draft.rows)
+                    # The driver's own insert of values converted as the rows were made (RowEncoder):
+                    # the ORM's bulk path cost more than the rows, SQLAlchemy Core's twice the driver.
+                    self._memory_rows.insert(connection, [draft.encoded[row["id"]] for row in draft.rows],
+                                             created_at=locked_at, updated_at=locked_at)
                     self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in draft.rows], "ADD",
                                  principal.key_id)
                     converted = self._prepare_beside(draft.prepared)  # beside the commit, which leaves the GIL

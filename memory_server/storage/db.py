@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
-from sqlalchemy import event, inspect, text
+from sqlalchemy import Table, event, inspect, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateIndex
 from sqlmodel import Session, SQLModel, create_engine
@@ -176,6 +176,49 @@ def driver_rows(connection: Connection, sql: str, params: Sequence = ()) -> list
         return cursor.fetchall()
     finally:
         cursor.close()
+
+
+class RowEncoder:
+    """Rows of one table converted for the driver as they are made, so that inserting them later,
+    under the write lock, is the driver's executemany alone. SQLAlchemy converts every value of an
+    executemany as it runs it (times to text on SQLite, metadata to JSON, ...): half of a batch add's
+    insert of 1,000 rows, ~30 of ~70 ms on a Zen 1, all of it under the write lock (bench/analysis.md,
+    round 31). `late`: columns given their value at insert time, one value for all rows (an add's
+    creation time, taken under the lock); it is converted once. Values are converted as the column's
+    type converts them (its `bind_processor`), the same as SQLAlchemy's own insert."""
+
+    def __init__(self, engine: Engine, table: Table, late: Sequence[str] = ()):
+        dialect = engine.dialect
+        self.columns = [column.name for column in table.columns]
+        self._convert = {column.name: column.type.dialect_impl(dialect).bind_processor(dialect) or _as_is
+                         for column in table.columns}
+        self._late = [(self.columns.index(name), name) for name in late]
+        self._late_names = frozenset(late)
+        quote = dialect.identifier_preparer.quote
+        marker = "?" if dialect.paramstyle == "qmark" else "%s"
+        self.sql = (f"INSERT INTO {quote(table.name)} ({', '.join(quote(name) for name in self.columns)}) "
+                    f"VALUES ({', '.join([marker] * len(self.columns))})")
+
+    def encode(self, row: dict) -> list:
+        """`row`'s values as the driver takes them, in column order (the late ones still unset)."""
+        return [None if name in self._late_names else self._convert[name](row[name]) for name in self.columns]
+
+    def insert(self, connection: Connection, encoded: list[list], **late) -> None:
+        """Insert rows made by `encode`, with the late columns' values, in `connection`'s transaction."""
+        for position, name in self._late:
+            value = self._convert[name](late[name])
+            for values in encoded:
+                values[position] = value
+        if encoded:
+            cursor = connection.connection.cursor()
+            try:
+                cursor.executemany(self.sql, encoded)
+            finally:
+                cursor.close()
+
+
+def _as_is(value):
+    return value
 
 
 def placeholders(connection: Connection, count: int) -> str:

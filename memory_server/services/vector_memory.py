@@ -151,6 +151,8 @@ class VectorMemory:
         self.sync = sync
         self.sparse = sparse
         self._memory_rows = RowEncoder(engine, MemoryRecord.__table__, late=("created_at", "updated_at"))
+        self._history_rows = RowEncoder(engine, MemoryHistory.__table__, late=("created_at",), leave_out=("id",))
+        self._log_rows = RowEncoder(engine, ChangeLogEntry.__table__, late=("created_at",), leave_out=("position",))
         self._preparer: ThreadPoolExecutor | None = None
         self._preparer_lock = threading.Lock()
 
@@ -413,14 +415,16 @@ class VectorMemory:
         if not changes:
             return
         lock_change_log(session)
+        connection = session if isinstance(session, Connection) else session.connection()
         now = utcnow()
-        session.execute(MemoryHistory.__table__.insert(), [
+        history, log = self._history_rows, self._log_rows  # the driver's inserts: see RowEncoder
+        history.insert(connection, [history.encode(
             {"memory_id": m.id, "tenant_id": m.tenant_id, "user_id": m.user_id, "agent_id": m.agent_id,
-             "event": event, "old_memory": old, "new_memory": new, "actor": actor, "created_at": now}
-            for m, old, new in changes])
+             "event": event, "old_memory": old, "new_memory": new, "actor": actor}) for m, old, new in changes],
+            created_at=now)
         op = {"DELETE": "delete", "ADD": "add"}.get(event, "upsert")
-        session.execute(ChangeLogEntry.__table__.insert(), [
-            {"tenant_id": m.tenant_id, "memory_id": m.id, "op": op, "created_at": now} for m, _, _ in changes])
+        log.insert(connection, [log.encode({"tenant_id": m.tenant_id, "memory_id": m.id, "op": op}) for m, _, _ in changes],
+                   created_at=now)
 
     # -- search ----------------------------------------------------------------------------
     def search(self, principal: Principal, request: SearchRequest, ahead: SearchAhead | None = None) -> list[ScoredMemory]:

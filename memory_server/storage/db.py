@@ -185,13 +185,15 @@ class RowEncoder:
     insert of 1,000 rows, ~30 of ~70 ms on a Zen 1, all of it under the write lock (bench/analysis.md,
     round 31). `late`: columns given their value at insert time, one value for all rows (an add's
     creation time, taken under the lock); it is converted once. Values are converted as the column's
-    type converts them (its `bind_processor`), the same as SQLAlchemy's own insert."""
+    type converts them (its `bind_processor`), the same as SQLAlchemy's own insert. History and
+    change-log rows go the same way (their one time converted once, not per row)."""
 
-    def __init__(self, engine: Engine, table: Table, late: Sequence[str] = ()):
+    def __init__(self, engine: Engine, table: Table, late: Sequence[str] = (), leave_out: Sequence[str] = ()):
         dialect = engine.dialect
-        self.columns = [column.name for column in table.columns]
+        columns = [column for column in table.columns if column.name not in leave_out]  # e.g. an autoincrement key
+        self.columns = [column.name for column in columns]
         self._convert = {column.name: column.type.dialect_impl(dialect).bind_processor(dialect) or _as_is
-                         for column in table.columns}
+                         for column in columns}
         self._late = [(self.columns.index(name), name) for name in late]
         self._late_names = frozenset(late)
         quote = dialect.identifier_preparer.quote

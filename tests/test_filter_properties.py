@@ -238,3 +238,23 @@ def test_equality_at_2_53_and_beyond_matches_the_integer_itself_on_both_indexes(
         assert _found(runtime, "huge", {"metadata.i": {"in": [v, 7]}}) == {ids[v]}, v
         assert _found(runtime, "huge", {"metadata.i": {"ne": v}}) == set(ids.values()) - {ids[v]}, v
         assert _found(runtime, "huge", {"metadata.i": {"nin": [v]}}) == set(ids.values()) - {ids[v]}, v
+
+
+def test_a_scoped_search_condition_reaches_the_index_as_one_flat_filter():
+    # The tenant's and key's restrictions wrap the request's condition three Alls deep; the
+    # index gets one filter of leaves (each nested filter cost the Edge binding ~8 leaves), and
+    # an OR or a NOT only where the request has one.
+    from memory_server.services.filters import restrict
+    from memory_server.storage.vectors.filters import All, Any_, Field, Not, flatten
+
+    key = Principal(tenant_id="t1", key_id="k", role="agent", user_ids=("anna",))
+    scoped = restrict(key, All((All((Field("user_id", "eq", "anna"),)),)))
+    assert flatten(scoped) == ([Field("tenant", "eq", "t1"), Field("user_id", "in", ("anna",)),
+                                Field("user_id", "eq", "anna")], None, [])
+    either = Any_((Field("topic", "eq", "tea"), Field("n", "gt", 2)))
+    unlike = Not(Field("vip", "eq", True))
+    nested = All((scoped, All((either, unlike, Any_((Field("n", "lt", 1), Field("n", "gt", 5)))))))
+    assert flatten(nested) == (
+        [*flatten(scoped).must, Any_((Field("n", "lt", 1), Field("n", "gt", 5)))], list(either.items), [unlike.item])
+    assert flatten(either) == ([], list(either.items), []) and flatten(unlike) == ([], None, [unlike.item])
+    assert flatten(Any_(())) == ([], [], []) and flatten(All((Any_(()),))) == ([Any_(())], None, [])

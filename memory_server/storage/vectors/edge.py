@@ -21,7 +21,7 @@ from memory_server.embedding import quantize_setting_for
 from memory_server.errors import StartupError
 from memory_server.storage.files import read_whole
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
-from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
+from memory_server.storage.vectors.filters import Condition, Field, flatten
 
 META_ID = "00000000-0000-0000-0000-000000000000"
 KEYWORD_FIELDS = ("user_id", "agent_id", "run_id", "scope")
@@ -331,7 +331,7 @@ class EdgeIndex:
     def _request(query: IndexQuery) -> qe.QueryRequest | None:
         """The Edge request for a query; None when it cannot match anything (a keyword query
         without searchable terms)."""
-        flt = qe.Filter(must=[_translate(query.filter)])
+        flt = _filter(query.filter)
         if query.mode == "dense":
             return qe.QueryRequest(limit=query.limit, query=qe.Query.Nearest(query.dense, using="dense"), filter=flt,
                                    score_threshold=query.min_score)
@@ -404,14 +404,15 @@ def check_model(meta: dict, dimension: int, model: str, where: str) -> None:
         )
 
 
+def _filter(node: Condition) -> qe.Filter:
+    must, should, must_not = flatten(node)  # each filter nested in another costs the binding ~8 leaves
+    return qe.Filter(must=[_translate(item) for item in must] or None,
+                     should=None if should is None else [_translate(item) for item in should],
+                     must_not=[_translate(item) for item in must_not] or None)
+
+
 def _translate(node: Condition):
-    if isinstance(node, All):
-        return qe.Filter(must=[_translate(item) for item in node.items])
-    if isinstance(node, Any_):
-        return qe.Filter(should=[_translate(item) for item in node.items])
-    if isinstance(node, Not):
-        return qe.Filter(must_not=[_translate(node.item)])
-    return _field(node)
+    return _field(node) if isinstance(node, Field) else _filter(node)
 
 
 def _field(leaf: Field):

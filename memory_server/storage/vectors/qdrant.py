@@ -8,7 +8,7 @@ from qdrant_client import QdrantClient, models
 
 from memory_server.storage.vectors import Hit, IndexInfo, IndexPoint, IndexQuery
 from memory_server.storage.vectors.edge import FLOAT_FIELDS, KEYWORD_FIELDS, META_ID, PAYLOAD_LAYOUT, check_model, meta_payload
-from memory_server.storage.vectors.filters import All, Any_, Condition, Field, Not
+from memory_server.storage.vectors.filters import Condition, Field, flatten
 
 CREATION_WAIT_SECONDS = 10.0  # how long a replica waits for a collection another one is creating
 
@@ -142,7 +142,7 @@ class QdrantServerIndex:
 def _request(query: IndexQuery) -> models.QueryRequest | None:
     """The Qdrant request for a query; None when it cannot match anything (a keyword query
     without searchable terms)."""
-    flt = models.Filter(must=[_translate(query.filter)])
+    flt = _filter(query.filter)
     sparse = None
     if query.sparse and query.sparse.indices:
         sparse = models.SparseVector(indices=query.sparse.indices, values=query.sparse.values)
@@ -163,14 +163,15 @@ def _request(query: IndexQuery) -> models.QueryRequest | None:
                                limit=query.limit)
 
 
+def _filter(node: Condition) -> models.Filter:
+    must, should, must_not = flatten(node)  # as in edge.py: a smaller request
+    return models.Filter(must=[_translate(item) for item in must] or None,
+                         should=None if should is None else [_translate(item) for item in should],
+                         must_not=[_translate(item) for item in must_not] or None)
+
+
 def _translate(node: Condition):
-    if isinstance(node, All):
-        return models.Filter(must=[_translate(item) for item in node.items])
-    if isinstance(node, Any_):
-        return models.Filter(should=[_translate(item) for item in node.items])
-    if isinstance(node, Not):
-        return models.Filter(must_not=[_translate(node.item)])
-    return _field(node)
+    return _field(node) if isinstance(node, Field) else _filter(node)
 
 
 def _field(leaf: Field):

@@ -530,33 +530,27 @@ def test_a_batch_never_answers_noop_to_a_memory_removed_while_it_embedded(runtim
     existed (49 of 60 rounds): the facts the caller was told are stored were gone; so did one that
     expired meanwhile. The batch is held here just before the write lock while the stored memory is
     deleted, changed or expires."""
-    import threading
-
     from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
     expires_at = datetime.now(timezone.utc) + timedelta(seconds=1) if change == "expire" else None
     stored = runtime.memories.add(admin, AddRequest(text="Lee keeps bees on the roof", user_id="lee",
                                                     expires_at=expires_at)).results[0]
-    held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
     batch = [AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the stored one, exactly
              AddRequest(text="Lee keeps bees on the roof!", user_id="lee"),  # and nearly
              AddRequest(text="Lee keeps bees on the roof", user_id="lee"),  # the first again
              AddRequest(text="Lee plays chess on Sundays", user_id="lee")]
-    answers = []
-    slow = threading.Thread(target=lambda: answers.append(runtime.memories.add_batch(admin, batch)), name="slow-batch")
-    slow.start()
-    assert held.wait(30)
-    if change == "delete":
-        runtime.memories.delete(admin, stored.id)
-    elif change == "update":
-        runtime.memories.update(admin, stored.id, UpdateRequest(text="Lee sold the bees"))
-    elif change == "delete_scope":
-        runtime.memories.delete_scope(admin, user_id="lee")
-    else:  # expired, unswept: nothing is written (a review, session 29)
-        time.sleep(max(0.0, (expires_at - datetime.now(timezone.utc)).total_seconds()) + 0.1)
-    release.set()
-    slow.join(30)
-    results = answers[0].results
+
+    def meanwhile():
+        if change == "delete":
+            runtime.memories.delete(admin, stored.id)
+        elif change == "update":
+            runtime.memories.update(admin, stored.id, UpdateRequest(text="Lee sold the bees"))
+        elif change == "delete_scope":
+            runtime.memories.delete_scope(admin, user_id="lee")
+        else:  # expired, unswept: nothing is written (a review, session 29)
+            time.sleep(max(0.0, (expires_at - datetime.now(timezone.utc)).total_seconds()) + 0.1)
+
+    results = batch_held_before_the_write_lock(runtime, admin, monkeypatch, batch, meanwhile).results
     assert [r.event for r in results] == ["ADD", "NOOP", "NOOP", "ADD"]
     assert stored.id not in {r.id for r in results}
     assert results[1].id == results[2].id == results[0].id
@@ -573,8 +567,6 @@ def test_a_fact_whose_noop_target_went_while_it_embedded_is_a_noop_to_another_st
     changed while the add embedded was then checked only against the request's own new memories,
     so a second stored memory holding it in other words (made by an update, which has no dedup)
     got a copy beside it. It is a NOOP to that one now; the lost target is never the answer."""
-    import threading
-
     import numpy as np
 
     from memory_server.schemas import AddRequest, UpdateRequest
@@ -586,23 +578,36 @@ def test_a_fact_whose_noop_target_went_while_it_embedded_is_a_noop_to_another_st
     target = runtime.memories.add(admin, AddRequest(text=texts[0], user_id="lee")).results[0]
     other = runtime.memories.add(admin, AddRequest(text="Lee owns a red kayak", user_id="lee")).results[0]
     runtime.memories.update(admin, other.id, UpdateRequest(text=texts[1]))
-    held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
     batch = [AddRequest(text=texts[2], user_id="lee"), AddRequest(text="Lee plays chess on Sundays", user_id="lee")]
-    answers = []
-    slow = threading.Thread(target=lambda: answers.append(runtime.memories.add_batch(admin, batch)), name="slow-batch")
-    slow.start()
-    assert held.wait(30)
-    if change == "delete":
-        runtime.memories.delete(admin, target.id)
-    else:
-        runtime.memories.update(admin, target.id, UpdateRequest(text="Lee sold the bees"))
-    release.set()
-    slow.join(30)
-    results = answers[0].results
+
+    def meanwhile():
+        if change == "delete":
+            runtime.memories.delete(admin, target.id)
+        else:
+            runtime.memories.update(admin, target.id, UpdateRequest(text="Lee sold the bees"))
+
+    results = batch_held_before_the_write_lock(runtime, admin, monkeypatch, batch, meanwhile).results
     assert [(r.event, r.id, r.memory) for r in results[:1]] == [("NOOP", other.id, texts[1])]
     assert results[1].event == "ADD"
     listed = sorted(m.memory for m in runtime.memories.list(admin, user_id="lee", limit=100).results)
     assert listed == sorted([texts[1], "Lee plays chess on Sundays"] + (["Lee sold the bees"] if change == "update" else []))
+
+
+def batch_held_before_the_write_lock(runtime, admin, monkeypatch, batch, meanwhile):
+    """The answer of a batch add held just before its write lock while `meanwhile()` runs."""
+    import threading
+
+    held, release = hold_before_the_write_lock(monkeypatch, "slow-batch")
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(runtime.memories.add_batch(admin, batch)), name="slow-batch")
+    slow.start()
+    assert held.wait(30)
+    try:
+        meanwhile()
+    finally:
+        release.set()
+        slow.join(30)
+    return answers[0]
 
 
 def hold_before_the_write_lock(monkeypatch, thread_name: str):

@@ -17,7 +17,7 @@ from memory_server.errors import StartupError
 from memory_server.models import ApiKey
 from memory_server.services.index_sync import IndexSync
 from memory_server.services.vector_memory import VectorMemory
-from memory_server.storage.db import begin_write, create_schema, make_engine, ping, warm_sqlite_file
+from memory_server.storage.db import WalCheckpointer, begin_write, create_schema, make_engine, ping, warm_sqlite_file
 from memory_server.storage.vectors import VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
 from memory_server.timing import name_os_thread
@@ -91,6 +91,7 @@ class Runtime:
     sync: IndexSync
     memories: VectorMemory
     keys: KeyCache = field(default_factory=lambda: KeyCache(0))
+    checkpointer: WalCheckpointer | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _worker: threading.Thread | None = None
 
@@ -120,7 +121,10 @@ class Runtime:
                       "they are indexed again when changed, or by `memory-server reindex` once it can hold them",
                       len(sync.left_out), ", ".join(sorted(sync.left_out)[:20]) + (" …" if len(sync.left_out) > 20 else ""))
         memories = VectorMemory(settings, engine, embedder, index, sync, sparse)
-        runtime = cls(settings, engine, embedder, index, sync, memories, KeyCache(settings.key_cache_seconds, settings.data_dir / REVOCATIONS_FILE))
+        checkpointer = (WalCheckpointer(engine) if settings.sqlite_background_checkpoints
+                        and engine.dialect.name == "sqlite" else None)
+        runtime = cls(settings, engine, embedder, index, sync, memories,
+                      KeyCache(settings.key_cache_seconds, settings.data_dir / REVOCATIONS_FILE), checkpointer)
         if background:
             runtime.start_background()
         return runtime
@@ -166,4 +170,6 @@ class Runtime:
         if self._worker is not None:
             self._worker.join(timeout=10)
         self.index.close()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         self.engine.dispose()

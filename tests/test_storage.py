@@ -839,6 +839,84 @@ def test_a_writer_gives_up_on_the_sqlite_write_lock_after_the_busy_timeout(tmp_p
         waiter.close()
 
 
+def _wait_for(condition, seconds=5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["checkpoints beside", "sqlite's own checkpoints"])
+def test_a_large_commit_leaves_the_wal_checkpoint_to_a_thread_of_its_own(tmp_path, beside):
+    from memory_server.storage.db import WalCheckpointer
+
+    path = tmp_path / "wal.db"
+    engine = make_engine(f"sqlite:///{path}")
+    checkpointer = WalCheckpointer(engine) if beside else None
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql("CREATE TABLE blobs (data BLOB)")
+            connection.commit()
+        empty = path.stat().st_size
+        with engine.connect() as connection:  # 1,500 rows, ~1,500 pages: past SQLite's own 1,000
+            connection.exec_driver_sql("INSERT INTO blobs VALUES (?)", [(os.urandom(4000),)] * 1500)
+            connection.commit()
+        grown_in_the_commit = path.stat().st_size - empty
+        if not beside:  # the commit copied its pages into the database file itself
+            assert grown_in_the_commit > 5_000_000
+            return
+        assert grown_in_the_commit == 0  # they are in the WAL only: the commit did not copy them
+        assert _wait_for(lambda: checkpointer.checkpoints == 1)  # the thread did, just after
+        assert path.stat().st_size - empty > 5_000_000
+        with engine.connect() as connection:  # SQLite's own threshold is back on the connection
+            assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 1000
+            assert connection.exec_driver_sql("SELECT count(*) FROM blobs").scalar() == 1500
+        # Small commits (under 500 rows) keep SQLite's own checkpoints: 300 rows of ~4 pages each take
+        # the WAL past 1,000 pages and their commit copies them itself.
+        before = path.stat().st_size
+        with Session(engine) as session:
+            session.connection().exec_driver_sql("INSERT INTO blobs VALUES (?)", [(os.urandom(14000),)] * 300)
+            session.commit()
+        assert path.stat().st_size - before > 3_000_000
+        time.sleep(0.2)
+        assert checkpointer.checkpoints == 1
+    finally:
+        if checkpointer is not None:
+            checkpointer.stop()
+            assert not checkpointer._thread.is_alive()
+        engine.dispose()
+
+
+def test_a_runtime_checkpoints_sqlite_beside_its_large_commits_unless_turned_off(tmp_path, embedder, admin,
+                                                                                 database_url):
+    on = Runtime.open(make_settings(tmp_path / "on", database_url), embedder=embedder)
+    off = Runtime.open(make_settings(tmp_path / "off", database_url, sqlite_background_checkpoints=False),
+                       embedder=embedder)
+    try:
+        assert off.checkpointer is None
+        if database_url is not None:  # PostgreSQL checkpoints itself
+            assert on.checkpointer is None
+            return
+        fill(on, admin)  # a small batch: SQLite's own checkpoints
+        time.sleep(0.2)
+        assert on.checkpointer.checkpoints == 0
+        cities = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Berlin", "Lima", "Hanoi", "Oslo", "Austin", "Cairo"]
+        hobbies = ["chess", "pottery", "salsa", "the piano", "watercolour", "tennis", "kayaking", "jazz", "baking",
+                   "astronomy", "gardening", "cycling", "knitting", "surfing", "poetry", "climbing", "origami"]
+        texts = [f"Member {n} of the {hobby} club moved to {city} in {1990 + n % 30}"
+                 for n, (city, hobby) in enumerate((c, h) for c in cities for h in hobbies)]
+        added = on.memories.add_batch(admin, [AddRequest(text=t, user_id="quinn") for t in texts])
+        assert sum(r.event == "ADD" for r in added.results) >= 170  # ~3 rows each: a large commit
+        assert _wait_for(lambda: on.checkpointer.checkpoints == 1)
+        thread = on.checkpointer._thread
+    finally:
+        on.close()
+        off.close()
+    assert not thread.is_alive()
+
+
 def test_an_update_answers_with_what_it_wrote_when_the_memory_is_deleted_right_after_its_commit(runtime, admin):
     """Between an update's commit and its answer another request may delete the memory: the answer
     is what the update wrote (reading the row back after the commit was a 500)."""

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ from sqlmodel import Session, SQLModel, create_engine
 
 from memory_server import models  # noqa: F401  (registers the tables)
 from memory_server.storage.files import read_whole_elsewhere
+from memory_server.timing import name_os_thread
 
 log = logging.getLogger("memory_server")
 
@@ -22,6 +24,8 @@ log = logging.getLogger("memory_server")
 CHANGE_LOG_LOCK_ID = 0x6D656D6F
 # How long an SQLite statement waits for another connection's lock before "database is locked".
 BUSY_TIMEOUT_MS = 30000
+# SQLite's own default: a commit that takes the WAL past this many pages copies it into the database.
+AUTOCHECKPOINT_PAGES = 1000
 
 
 def make_engine(url: str) -> Engine:
@@ -62,6 +66,81 @@ def _use_wal(cursor, wait_seconds: float = 30.0) -> None:
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+class WalCheckpointer:
+    """Copies the write-ahead log of a large commit into the SQLite database file on a thread of its
+    own, instead of in the commit, under the write lock.
+
+    SQLite checkpoints in the commit that takes the WAL past 1,000 pages: a batch of 1,000 adds
+    writes ~4,250, so its commit copied them while every other writer (thread, worker or replica)
+    waited and the model's threads idled, ~70 ms at 100k memories (bench/analysis.md, round 32).
+    A transaction that changed LARGE_COMMIT_ROWS rows or more commits with automatic checkpoints
+    off, and this thread copies its pages right after, beside the work that follows (the next
+    batch's embedding). Small commits keep SQLite's own checkpoints: waking a thread after each of
+    them cost more than the checkpoints do (a single add under load). The checkpoint is PASSIVE:
+    it never waits for or blocks readers and writers (a commit that tries to checkpoint meanwhile
+    leaves it to this one) and copies what no reader still needs. A checkpoint that fails is
+    logged; the next commit past 1,000 pages or the next large one tries again."""
+
+    LARGE_COMMIT_ROWS = 500  # rows changed since the connection left the pool: ~700 pages or more
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._wanted = threading.Event()
+        self._stopping = False
+        self.checkpoints = 0
+        self._listeners = (("checkout", self._checked_out), ("commit", self._committing),
+                           ("checkin", self._checked_in))
+        for name, listener in self._listeners:
+            event.listen(engine, name, listener)
+        self._thread = threading.Thread(target=self._run, name="sqlite-checkpoint", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _checked_out(dbapi_connection, record, _proxy) -> None:
+        record.info["changes_before"] = dbapi_connection.total_changes
+
+    @classmethod
+    def _committing(cls, connection: Connection) -> None:
+        """Before the driver's commit: a large one leaves its checkpoint to the thread."""
+        record = connection.connection
+        dbapi_connection = record.dbapi_connection
+        changed = dbapi_connection.total_changes - record.info.get("changes_before", dbapi_connection.total_changes)
+        if changed >= cls.LARGE_COMMIT_ROWS:
+            dbapi_connection.execute("PRAGMA wal_autocheckpoint=0")
+            record.info["checkpoint_beside"] = True
+
+    def _checked_in(self, dbapi_connection, record) -> None:
+        """The connection is back in the pool: its commit has landed."""
+        if record.info.pop("checkpoint_beside", False):
+            if dbapi_connection is not None:
+                dbapi_connection.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
+            self._wanted.set()
+
+    def _run(self) -> None:
+        name_os_thread()
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stopping:
+                return
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        try:
+            with self._engine.connect() as connection:
+                connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+            self.checkpoints += 1
+        except Exception:  # the database is closing, the disk is full: the next commit tries again
+            log.warning("checkpointing the SQLite WAL failed", exc_info=True)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wanted.set()
+        self._thread.join(timeout=10)
+        for name, listener in self._listeners:
+            event.remove(self._engine, name, listener)
 
 
 def warm_sqlite_file(engine: Engine, available: int | None = None) -> int:

@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     sync_interval_seconds: float = Field(1.0, gt=0)
     index_optimize_every: int = Field(20000, ge=100)
     index_search_threads: int = Field(1, ge=0, le=256)  # Qdrant Edge search pool; 0 = one per CPU
-    sqlite_background_checkpoints: bool = True  # WAL checkpoints on a thread after commits, not in them (storage/db.py)
+    sqlite_background_checkpoints: bool = True  # a large commit's WAL checkpoint on a thread beside it (storage/db.py)
     warm_database: bool = True  # read the SQLite file into the page cache at start when it fits
     request_threads: int = Field(4, ge=1, le=1024)  # requests a worker runs at once; more wait their turn
     direct_routes: bool = True  # add, batch add and search answered ahead of FastAPI (api/direct.py)

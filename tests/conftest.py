@@ -54,6 +54,15 @@ def database_url(request, tmp_path) -> Iterator[str | None]:
     admin.dispose()
 
 
+def wait_for(condition, what: str, timeout: float = 90, pause: float = 0.05) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (AssertionError naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(pause)
+    return True
+
+
 def make_settings(data_dir: Path, database_url: str | None = None, qdrant_url: str | None = None, **extra) -> Settings:
     values = {"data_dir": data_dir, "database_url": database_url, "qdrant_url": qdrant_url,
               "expiry_sweep_seconds": 0.5, "sync_interval_seconds": 0.2}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import make_settings
+from conftest import make_settings, wait_for
 from memory_server.auth import Principal
 from memory_server.errors import StartupError
 from memory_server.runtime import Runtime
@@ -406,13 +406,6 @@ def _workers(port: int, count: int, timeout: float = 90) -> tuple[int, list[int]
     raise AssertionError(f"not {count} workers behind port {port}: {_server_sockets(port)}")
 
 
-def _wait_for(condition, what: str, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.mark.skipif(not hasattr(socket, "send_fds"), reason="connection hand-off needs Unix descriptor passing")
 def test_serve_with_workers_hands_each_connection_to_the_worker_holding_fewest(tmp_path):
     # uvicorn's shared socket let one worker take a whole pool of connections opened at once (16/0
@@ -421,7 +414,7 @@ def test_serve_with_workers_hands_each_connection_to_the_worker_holding_fewest(t
     with serving(tmp_path, "--workers", "2") as (url, _, log_path):
         port = int(url.rsplit(":", 1)[1])
         supervisor, (first, second) = _workers(port, 2)
-        _wait_for(lambda: log_path.read_text().count("Application startup complete") == 2, "both workers")
+        wait_for(lambda: log_path.read_text().count("Application startup complete") == 2, "both workers")
         connections = _open_connections(url, 24)
         try:
             held = _client_ports(port)
@@ -431,7 +424,7 @@ def test_serve_with_workers_hands_each_connection_to_the_worker_holding_fewest(t
             for c in connections:
                 if c.getsockname()[1] in held[first]:
                     c.close()
-            _wait_for(lambda: not _client_ports(port).get(first), "the first worker to close its connections")
+            wait_for(lambda: not _client_ports(port).get(first), "the first worker to close its connections")
             time.sleep(0.5)  # its word on each closed connection reaches the supervisor
             connections += _open_connections(url, 12)
             held = _client_ports(port)
@@ -452,12 +445,12 @@ def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_p
     try:
         _, workers = _workers(port, 2)
         started = lambda: (tmp_path / "serve.log").read_text().count("Application startup complete")  # noqa: E731
-        _wait_for(lambda: started() == 2, "both workers to start")
+        wait_for(lambda: started() == 2, "both workers to start")
         os.kill(workers[0], signal.SIGKILL)
-        _wait_for(lambda: workers[0] not in _workers(port, 2)[1], "a new worker")
+        wait_for(lambda: workers[0] not in _workers(port, 2)[1], "a new worker")
         _, replaced = _workers(port, 2)
         assert workers[1] in replaced
-        _wait_for(lambda: started() == 3, "the new worker to start")
+        wait_for(lambda: started() == 3, "the new worker to start")
         for _ in range(6):  # new connections, some of them handed to the new worker
             assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=30).status_code == 200
         server.send_signal(signal.SIGTERM)

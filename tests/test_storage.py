@@ -18,7 +18,7 @@ import sqlalchemy
 from sqlalchemy import event
 from sqlmodel import Session, select
 
-from conftest import MODEL_DIR, make_settings
+from conftest import MODEL_DIR, make_settings, wait_for
 from memory_server.auth import list_keys
 from memory_server.errors import InvalidInput, NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
@@ -839,15 +839,6 @@ def test_a_writer_gives_up_on_the_sqlite_write_lock_after_the_busy_timeout(tmp_p
         waiter.close()
 
 
-def _wait_for(condition, seconds=5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 @pytest.mark.parametrize("beside", [True, False], ids=["checkpoints beside", "sqlite's own checkpoints"])
 def test_a_large_commit_leaves_the_wal_checkpoint_to_a_thread_of_its_own(tmp_path, beside):
     from memory_server.storage.db import WalCheckpointer
@@ -868,7 +859,7 @@ def test_a_large_commit_leaves_the_wal_checkpoint_to_a_thread_of_its_own(tmp_pat
             assert grown_in_the_commit > 5_000_000
             return
         assert grown_in_the_commit == 0  # they are in the WAL only: the commit did not copy them
-        assert _wait_for(lambda: checkpointer.checkpoints == 1)  # the thread did, just after
+        wait_for(lambda: checkpointer.checkpoints == 1, "the checkpoint", 5)  # the thread did, just after
         assert path.stat().st_size - empty > 5_000_000
         with engine.connect() as connection:  # SQLite's own threshold is back on the connection
             assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 1000
@@ -909,7 +900,7 @@ def test_a_runtime_checkpoints_sqlite_beside_its_large_commits_unless_turned_off
                  for n, (city, hobby) in enumerate((c, h) for c in cities for h in hobbies)]
         added = on.memories.add_batch(admin, [AddRequest(text=t, user_id="quinn") for t in texts])
         assert sum(r.event == "ADD" for r in added.results) >= 170  # ~3 rows each: a large commit
-        assert _wait_for(lambda: on.checkpointer.checkpoints == 1)
+        wait_for(lambda: on.checkpointer.checkpoints == 1, "the checkpoint", 5)
         thread = on.checkpointer._thread
     finally:
         on.close()

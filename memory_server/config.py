@@ -47,6 +47,8 @@ class Settings(BaseSettings):
     expiry_sweep_seconds: float = Field(60.0, gt=0)
     sync_interval_seconds: float = Field(1.0, gt=0)
     index_optimize_every: int = Field(20000, ge=100)
+    index_optimize_idle_seconds: float = Field(2.0, ge=0)  # ... once no request used the index for this long
+    index_optimize_deferred_max: int = Field(100000, ge=100)  # ... or at once past this many changes
     index_search_threads: int = Field(1, ge=0, le=256)  # Qdrant Edge search pool; 0 = one per CPU
     sqlite_background_checkpoints: bool = True  # a large commit's WAL checkpoint on a thread beside it (storage/db.py)
     warm_database: bool = True  # read the SQLite file into the page cache at start when it fits

@@ -1119,3 +1119,43 @@ def test_rows_encoded_ahead_are_stored_as_sqlalchemys_own_insert_stores_them(run
                for i in ids]
     assert raw[0] == raw[1]
     assert second["created_at"] == made and second["expires_at"] == later and second["meta"] == rows[0]["metadata"]
+
+
+def test_the_index_is_optimized_once_requests_leave_it_alone_or_once_too_many_changes_wait(tmp_path, embedder,
+                                                                                          admin):
+    """Qdrant Edge holds the interpreter's lock through an optimisation, and every request of the
+    process waits for it: the maintenance thread optimizes after `index_optimize_every` changes only
+    once no request has used the index for `index_optimize_idle_seconds`, unless
+    `index_optimize_deferred_max` changes are waiting."""
+    settings = make_settings(tmp_path / "data", sync_interval_seconds=0.1, index_optimize_every=100,
+                             index_optimize_idle_seconds=1.0, index_optimize_deferred_max=400)
+    rt = Runtime.open(settings, embedder=embedder, background=True)
+    optimized = []  # when each optimisation began
+    optimize = rt.index.optimize
+    rt.index.optimize = lambda: (optimized.append(time.monotonic()), optimize())[1]
+    search = SearchRequest(query="what does Quinn drink", filters={"user_id": "quinn"})
+
+    def busy(seconds: float) -> None:
+        """Searches one after another for `seconds` (each one uses the index)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            rt.memories.search(admin, search)
+            time.sleep(0.05)
+
+    try:
+        rt.memories.add_batch(admin, [AddRequest(text=f"Quinn's note number {i}", user_id="quinn") for i in range(150)])
+        busy(2.5)  # 150 changes wait, but requests keep coming: no optimisation yet
+        assert optimized == [] and rt.sync.applied_since_optimize == 150
+        quiet_from = time.monotonic()
+        wait_for(lambda: optimized, "the optimisation once requests stopped", timeout=10)
+        assert optimized[0] - quiet_from >= 0.9  # not before the index was left alone for the idle time
+        assert rt.sync.applied_since_optimize == 0
+
+        rt.memories.add_batch(admin, [AddRequest(text=f"Quinn's later note {i}", user_id="quinn") for i in range(450)])
+        start = time.monotonic()
+        busy(1.5)  # past the deferred maximum: optimized even though requests keep coming
+        assert len(optimized) == 2 and optimized[1] - start < 1.0
+        assert [h.memory for h in rt.memories.search(admin, SearchRequest(
+            query="Quinn's later note 7", filters={"user_id": "quinn"}, mode="keyword", top_k=1))] == ["Quinn's later note 7"]
+    finally:
+        rt.close()

@@ -9,6 +9,7 @@ import logging
 import re
 import uuid
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from itertools import islice
@@ -155,6 +156,9 @@ class VectorMemory:
         self._log_rows = RowEncoder(engine, ChangeLogEntry.__table__, late=("created_at",), leave_out=("position",))
         self._preparer: ThreadPoolExecutor | None = None
         self._preparer_lock = threading.Lock()
+        # When a request last used the index (time.monotonic()): the maintenance thread optimizes
+        # the index while requests leave it alone (Runtime._optimize_due).
+        self.last_active = time.monotonic()
 
     def _prepare_beside(self, points: dict[str, IndexPoint]) -> Future | None:
         """`points` converted into the index's own form (VectorIndex.prepare) on another thread, for
@@ -172,6 +176,7 @@ class VectorMemory:
 
     def _publish(self, prepared: dict[str, IndexPoint] | None = None) -> None:
         """Apply the committed change to the index before answering (read-your-writes)."""
+        self.last_active = time.monotonic()
         try:
             with stage("index"):
                 self.sync.catch_up(prepared)
@@ -277,6 +282,7 @@ class VectorMemory:
         near-duplicate check, sees every write answered before it: a near-duplicate added through
         another worker right after the first was stored twice. On failure, the index is used as it
         is; the maintenance thread retries."""
+        self.last_active = time.monotonic()
         try:
             with stage("index"):
                 self.sync.follow(head)

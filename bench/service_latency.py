@@ -175,8 +175,9 @@ def main(argv=None):
         "embedding/index: the same query's parts timed alone; total includes SQL row fetch and scoring",
     ]}
     try:
-        # With the maintenance thread, as in the server: it optimises the index every
-        # MEMORY_SERVER_INDEX_OPTIMIZE_EVERY applied changes during the fill.
+        # With the maintenance thread, as in the server. A fill leaves it no quiet moment, so it
+        # optimises the index every MEMORY_SERVER_INDEX_OPTIMIZE_DEFERRED_MAX applied changes
+        # (runtime.py _optimize_due); each size ends with an optimisation of what is left.
         rt = Runtime.open(settings, background=True)
         data = iter_memories(sizes[-1], seed=3)  # one chunk at a time: the list would be RSS of its own
         loaded, add_seconds = 0, 0.0

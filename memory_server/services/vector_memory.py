@@ -156,8 +156,9 @@ class VectorMemory:
         self._log_rows = RowEncoder(engine, ChangeLogEntry.__table__, late=("created_at",), leave_out=("position",))
         self._preparer: ThreadPoolExecutor | None = None
         self._preparer_lock = threading.Lock()
-        # When a request last used the index (time.monotonic()): the maintenance thread optimizes
-        # the index while requests leave it alone (Runtime._optimize_due).
+        # When a search or a change last used the index (time.monotonic(); an expiry sweep that
+        # deletes something counts too): the maintenance thread optimizes the index
+        # while they leave it alone (Runtime._optimize_due).
         self.last_active = time.monotonic()
 
     def _prepare_beside(self, points: dict[str, IndexPoint]) -> Future | None:

@@ -112,7 +112,7 @@ class Runtime:
         if settings.warm_database:  # after the index has read its own files (see warm_sqlite_file)
             warm_sqlite_file(engine)
         sparse = SparseEncoder()
-        sync = IndexSync(engine, index, sparse)
+        sync = IndexSync(engine, index, sparse, row_cache_bytes=int(settings.row_cache_mb * 1024 * 1024))
         if index.outdated and not recreate_index:
             _rebuild_outdated(settings, index, sync)
         if not recreate_index:

@@ -1,5 +1,6 @@
 """Storage behaviour on SQLite and PostgreSQL: restart, reindex, crash repair, change-log replay."""
 
+import dataclasses
 import os
 import sqlite3
 import threading
@@ -23,7 +24,7 @@ from memory_server.auth import list_keys
 from memory_server.errors import InvalidInput, NotFound, StartupError, Unavailable
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
-from memory_server.services.index_sync import point_for
+from memory_server.services.index_sync import RowCache, point_for
 from memory_server.storage.db import create_schema, driver_rows, make_engine, placeholders
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
@@ -1119,6 +1120,89 @@ def test_rows_encoded_ahead_are_stored_as_sqlalchemys_own_insert_stores_them(run
                for i in ids]
     assert raw[0] == raw[1]
     assert second["created_at"] == made and second["expires_at"] == later and second["meta"] == rows[0]["metadata"]
+
+
+def test_cached_hit_rows_follow_every_change_whichever_process_made_it(settings, embedder, admin):
+    """Both processes keep the rows of their searches' hits (RowCache): a change made through the
+    other process (text, metadata, expiry, a delete, a scope delete) is what the next search of
+    each one returns, and a row kept for one tenant is never another's."""
+    first = Runtime.open(settings, embedder=embedder)
+    second = Runtime.open(settings, embedder=embedder)
+    search = SearchRequest(query="who keeps bees?", filters={"user_id": "quinn"})
+
+    def seen(runtime, request=search):
+        return [(hit.memory, hit.metadata, hit.expires_at) for hit in runtime.memories.search(admin, request)]
+
+    try:
+        [added] = first.memories.add(admin, AddRequest(text="Quinn keeps bees on the roof", user_id="quinn",
+                                                      metadata={"topic": "garden"})).results
+        for runtime in (first, second):
+            assert seen(runtime) == [("Quinn keeps bees on the roof", {"topic": "garden"}, None)]
+            assert added.id in runtime.sync.rows.get([added.id])[0]  # kept by the search
+        second.memories.update(admin, added.id, UpdateRequest(text="Quinn keeps bees and hens on the roof",
+                                                               metadata={"topic": "farm"}))
+        assert seen(first) == seen(second) == [("Quinn keeps bees and hens on the roof", {"topic": "farm"}, None)]
+        soon = datetime.now(timezone.utc) + timedelta(seconds=1.5)
+        first.memories.update(admin, added.id, UpdateRequest(expires_at=soon))
+        assert [expires for _, _, expires in seen(second)] == [soon]
+        time.sleep(1.6)  # expired: left out although its row is kept and no sweep ran
+        assert seen(first) == seen(second) == []
+
+        [other] = second.memories.add(admin, AddRequest(text="Quinn keeps bees in the orchard", user_id="quinn")).results
+        assert [hit.id for hit in first.memories.search(admin, search)] == [other.id]
+        first.memories.delete(admin, other.id)
+        assert seen(second) == []
+        [third] = first.memories.add(admin, AddRequest(text="Quinn sells the bees' honey", user_id="quinn")).results
+        assert [hit.id for hit in second.memories.search(admin, search)] == [third.id]
+        first.memories.delete_scope(admin, user_id="quinn")
+        assert seen(second) == seen(first) == []
+
+        # A row kept after one tenant's search answers no other tenant's search.
+        [kept] = first.memories.add(admin, AddRequest(text="Quinn keeps bees again", user_id="quinn")).results
+        assert [hit.id for hit in first.memories.search(admin, search)] == [kept.id]
+        stranger = dataclasses.replace(admin, tenant_id="someone-else", key_id="key_stranger")
+        assert first.memories.search(stranger, search) == []
+    finally:
+        second.close()
+        first.close()
+
+
+def test_the_row_cache_keeps_no_row_read_across_its_change_and_stays_within_its_bytes(monkeypatch):
+    """A row read while a change to it was applied may be the row from before it (the read began
+    before the commit): it is not kept; rows no change touched meanwhile are. Past its bytes the
+    least recently used rows go first."""
+    cache = RowCache(max_bytes=3 * (RowCache.OVERHEAD + 10))
+    row = lambda memory_id, text="x" * 8: (memory_id, text)  # noqa: E731 -- 10 characters of strings
+    found, generation = cache.get(["a", "b"])
+    assert found == {}
+    cache.forget(["b"])  # a change to b meanwhile: b's read is not kept, a's is
+    cache.forget(["z"])
+    cache.put([row("a"), row("b", "old text")], generation)
+    assert set(cache.get(["a", "b"])[0]) == {"a"}
+    _, generation = cache.get(["b"])
+    cache.forget()  # everything changed (a rebuild): nothing read before it is kept
+    cache.put([row("b")], generation)
+    assert len(cache) == 0
+    monkeypatch.setattr(RowCache, "RECENT", 2)
+    cache = RowCache(max_bytes=3 * (RowCache.OVERHEAD + 10))
+    _, generation = cache.get(["a"])
+    for other in ("x", "y", "z"):  # more changes than it remembers: it cannot tell a's apart
+        cache.forget([other])
+    cache.put([row("a")], generation)
+    assert len(cache) == 0
+
+    _, generation = cache.get([])
+    cache.put([row("a"), row("b")], generation)
+    assert set(cache.get(["a", "b"])[0]) == {"a", "b"}
+    cache.get(["a"])  # a was used last: b goes first
+    _, generation = cache.get([])
+    cache.put([row("c"), row("d")], generation)
+    assert set(cache.get(["a", "b", "c", "d"])[0]) == {"a", "c", "d"} and len(cache) == 3
+    cache.forget(["a"])
+    assert set(cache.get(["a", "c", "d"])[0]) == {"c", "d"}
+    off = RowCache(max_bytes=0)
+    off.put([row("a")], off.get(["a"])[1])
+    assert len(off) == 0
 
 
 def test_the_index_is_optimized_once_requests_leave_it_alone_or_once_too_many_changes_wait(tmp_path, embedder,

@@ -2,7 +2,7 @@
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -87,14 +87,112 @@ def change_log_head(connection: Connection) -> int:
     return driver_rows(connection, _HEAD)[0][0] or 0
 
 
-class IndexSync:
-    """Applies change-log entries after the index's recorded position, in order."""
+class RowCache:
+    """Rows of memories as the driver gave them (a search's hits: VectorMemory._answer), kept in
+    step with the change log as the index is: IndexSync forgets a memory's row before it applies
+    an entry of it, so a search that followed the log (every search does) never gets a row older
+    than what the index answered it from. A search's hits cost ~0.2 ms of CPU to read from SQLite
+    on a Zen 5 under load, a third of the request thread's part of a search, ~0.025 ms from here
+    (bench/analysis.md, round 35): SQLite drops a connection's page cache whenever another
+    connection wrote, which under a steady stream of adds is nearly every time.
 
-    def __init__(self, engine: Engine, index: VectorIndex, sparse: SparseEncoder, batch_size: int = 1000):
+    Least recently used rows go first past `max_bytes` (the rows' text and metadata, roughly, plus
+    a fixed overhead a row); 0 turns the cache off. A row read from the database is kept only if
+    it was not forgotten since the read began (`get`'s generation): a read that started before a
+    change was committed may have returned the row as it was before, and, put after the change was
+    forgotten, it would stay. The last RECENT forgets say which rows they were; a read older than
+    those keeps nothing. Rows are not per tenant: the caller checks the tenant on each row, as it
+    does on rows read from the database."""
+
+    OVERHEAD = 400  # bytes a row costs beside its text and metadata: the tuple, ids, times, hash
+    RECENT = 1024  # forgets remembered (a second or more of changes under load; a read takes milliseconds)
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._rows: OrderedDict[str, tuple] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+        self._generation = 0
+        self._recent: deque[tuple[int, list[str] | None]] = deque(maxlen=self.RECENT)  # (generation, ids forgotten)
+        self._lock = threading.Lock()
+
+    def get(self, ids: list[str]) -> tuple[dict[str, tuple], int]:
+        """The cached rows of `ids`, and the generation to hand `put` with the others once read."""
+        found = {}
+        if not self.max_bytes:
+            return found, 0
+        with self._lock:
+            for memory_id in ids:
+                row = self._rows.get(memory_id)
+                if row is not None:
+                    self._rows.move_to_end(memory_id)
+                    found[memory_id] = row
+            return found, self._generation
+
+    def put(self, rows: list[tuple], generation: int) -> None:
+        """Keep `rows` (their id first), read from the database after `get` returned `generation`."""
+        if not self.max_bytes or not rows:
+            return
+        with self._lock:
+            if generation != self._generation:  # changes meanwhile: those rows may be read from before them
+                changed = self._forgotten_since(generation)
+                if changed is None:
+                    return
+                rows = [row for row in rows if row[0] not in changed]
+            for row in rows:
+                memory_id = row[0]
+                self._drop(memory_id)
+                size = self.OVERHEAD + sum(len(value) for value in row if isinstance(value, str))
+                self._rows[memory_id], self._sizes[memory_id] = row, size
+                self._bytes += size
+            while self._bytes > self.max_bytes and self._rows:
+                self._drop(next(iter(self._rows)))
+
+    def forget(self, ids: list[str] | None = None) -> None:
+        """Drop the rows of `ids`, or every row: they changed (or are about to)."""
+        with self._lock:
+            self._generation += 1
+            self._recent.append((self._generation, None if ids is None else list(ids)))
+            if ids is None:
+                self._rows.clear()
+                self._sizes.clear()
+                self._bytes = 0
+                return
+            for memory_id in ids:
+                self._drop(memory_id)
+
+    def _forgotten_since(self, generation: int) -> set[str] | None:
+        """The ids forgotten after `generation`; None when that is everything or no longer known."""
+        if not self._recent or self._recent[0][0] > generation + 1:
+            return None
+        changed = set()
+        for forgot_at, ids in reversed(self._recent):
+            if forgot_at <= generation:
+                break
+            if ids is None:
+                return None
+            changed.update(ids)
+        return changed
+
+    def _drop(self, memory_id: str) -> None:
+        if self._rows.pop(memory_id, None) is not None:
+            self._bytes -= self._sizes.pop(memory_id)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class IndexSync:
+    """Applies change-log entries after the index's recorded position, in order, and keeps `rows`
+    (RowCache) in step with them. `row_cache_bytes`: the cache's bound (0: no cache)."""
+
+    def __init__(self, engine: Engine, index: VectorIndex, sparse: SparseEncoder, batch_size: int = 1000,
+                 row_cache_bytes: int = 0):
         self.engine = engine
         self.index = index
         self.sparse = sparse
         self.batch_size = batch_size
+        self.rows = RowCache(row_cache_bytes)
         self._lock = threading.Lock()
         self.applied_since_optimize = 0
 
@@ -126,6 +224,8 @@ class IndexSync:
                     entries = driver_rows(connection, _ENTRIES.format(placeholders(connection, 1)), (position, self.batch_size))
                     if not entries:
                         return applied
+                    # Before the index answers from the change: see RowCache.
+                    self.rows.forget([memory_id for _, memory_id, _ in entries])
                     points, deleted = self._changes(connection, entries, prepared or {})
                 self._apply(points, deleted, entries[-1][0])
                 applied += len(entries)
@@ -191,6 +291,7 @@ class IndexSync:
         (an Embedder) is given: then every memory is embedded again and its stored vector replaced."""
         with self._lock:
             head = self.head()
+            self.rows.forget()
             self.index.reset()
             with Session(self.engine) as session:
                 total = session.exec(select(func.count()).select_from(MemoryRecord)).one()

@@ -518,9 +518,14 @@ class VectorMemory:
         # index instead. Tenant and expiry are checked on the rows. The driver's cursor, no ORM and no
         # SQLAlchemy statement: their machinery cost 4x the lookup itself (storage/db.py).
         ids = [i for i, _ in scored]
-        with stage("db"), self.engine.connect() as connection:
-            found = [HitRow(*r) for r in driver_rows(connection, _HIT_ROWS + f"({placeholders(connection, len(ids))})", ids)
-                     if r[1] == principal.tenant_id]
+        cached, generation = self.sync.rows.get(ids)  # rows as of the change log this search followed
+        if missing := [i for i in ids if i not in cached]:
+            with stage("db"), self.engine.connect() as connection:
+                read = [HitRow.of(r) for r in driver_rows(connection, _HIT_ROWS + f"({placeholders(connection, len(missing))})",
+                                                          missing)]
+            self.sync.rows.put(read, generation)
+            cached.update((r.id, r) for r in read)
+        found = [r for i in ids if (r := cached.get(i)) is not None and r.tenant_id == principal.tenant_id]
         rows = {r.id: r for r in found if (expires_at := stored_time(r.expires_at)) is None or expires_at > now}
         results = [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
                                 metadata=stored_json(r.meta), created_at=stored_time(r.created_at),
@@ -725,6 +730,13 @@ class HitRow(NamedTuple):
     updated_at: object
     expires_at: object
     hash: str
+
+    @classmethod
+    def of(cls, values: tuple) -> "HitRow":
+        """A row as the driver gave it, its metadata as JSON text whichever the driver (PostgreSQL's
+        decodes it): a cached row is shared by the searches that read it, each decodes its own copy."""
+        row = cls(*values)
+        return row if isinstance(row.meta, (str, bytes)) or row.meta is None else row._replace(meta=json.dumps(row.meta))
 
 
 # The id list (placeholders) is added when it runs.

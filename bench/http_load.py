@@ -1,16 +1,22 @@
 """Part 3: HTTP under load on loopback: N concurrent clients, 80% search / 20% add, fixed duration.
 
-The load generator shares the 2 cores with the server, so it has to be cheap: aiohttp spends
-~1 ms of CPU per request where httpx's async client spent ~8 ms at 64 connections.
+The load generator shares the 2 cores with the server, so it has to be cheap: every CPU-second it
+takes is one the server does not get, and the throughput a closed loop of clients reaches, with it
+its latencies, depends on it. httpx's async client spent ~8 ms of CPU a request at 64 connections,
+aiohttp ~0.25 ms on a Zen 5 (10% of what server and client took together, round 35); the client
+here is a plain HTTP/1.1 client on asyncio's protocols (`Connection`): one keep-alive connection per
+simulated client, one request at a time on it, the response read to its last byte (Content-Length
+or chunked) before the next is sent, ~0.05 ms a request.
 """
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import time
+from urllib.parse import urlsplit
 
-import aiohttp
 import httpx
 from tqdm import tqdm
 
@@ -26,6 +32,108 @@ def prefill(server, n: int, chunk: int = 1000):
             client.post("/v1/memories/batch", json={"items": items}).raise_for_status()
 
 
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that sends a request and reads its whole response before
+    the next: what each simulated client of the load needs and nothing more (no redirects, cookies,
+    pooling, compression or streaming), at a fraction of a general client's CPU."""
+
+    def __init__(self):
+        self.transport = None
+        self._buffer = bytearray()
+        self._waiting: asyncio.Future | None = None
+        self._lost: Exception | None = None
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> "Connection":
+        _, connection = await asyncio.get_running_loop().create_connection(cls, host, port)
+        return connection
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self._waiting is not None and not self._waiting.done():
+            try:
+                response = self._response()
+            except ValueError as exc:  # a response this client cannot read: the connection is done
+                self._waiting.set_exception(exc)
+                self.transport.close()
+                return
+            if response is not None:
+                self._waiting.set_result(response)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = ConnectionResetError("the server closed the connection")
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.set_exception(self._lost)
+
+    async def request(self, head: bytes, body: bytes, timeout: float) -> tuple[int, dict[str, str], bytes]:
+        """Send `head` (request line and headers, without Content-Length and the blank line) and
+        `body`; (status, headers with lower-case names, body) once the whole response is in."""
+        if self._lost is not None:
+            raise self._lost
+        loop = asyncio.get_running_loop()
+        self._waiting = loop.create_future()
+        self.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
+        timer = loop.call_later(timeout, lambda w=self._waiting: w.done() or w.set_exception(asyncio.TimeoutError()))
+        try:
+            return await self._waiting
+        finally:
+            timer.cancel()
+            self._waiting = None
+
+    def _response(self) -> tuple[int, dict[str, str], bytes] | None:
+        """The response at the start of the buffer, taken off it; None while it is incomplete."""
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        lines = self._buffer[:end].decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        start = end + 4
+        if "content-length" in headers:
+            stop = start + int(headers["content-length"])
+            if len(self._buffer) < stop:
+                return None
+            body = bytes(self._buffer[start:stop])
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            body, stop = self._chunks(start)
+            if body is None:
+                return None
+        else:
+            raise ValueError("a response with neither Content-Length nor chunked encoding")
+        del self._buffer[:stop]
+        return status, headers, body
+
+    def _chunks(self, at: int) -> tuple[bytes | None, int]:
+        parts = []
+        while True:
+            line_end = self._buffer.find(b"\r\n", at)
+            if line_end < 0:
+                return None, at
+            size = int(self._buffer[at:line_end].split(b";")[0], 16)
+            if len(self._buffer) < line_end + 2 + size + 2:
+                return None, at
+            if size == 0:
+                trailer_end = self._buffer.find(b"\r\n\r\n", line_end)  # the last chunk, then trailers
+                if trailer_end < 0:
+                    return None, at
+                return b"".join(parts), trailer_end + 4
+            parts.append(bytes(self._buffer[line_end + 2:line_end + 2 + size]))
+            at = line_end + 2 + size + 2
+
+
+def request_head(server, path: str) -> bytes:
+    """A POST's request line and headers for `path` on `server`, JSON body, kept alive."""
+    host = urlsplit(server.url).netloc
+    headers = {"Host": host, "Content-Type": "application/json", "Connection": "keep-alive", **server.headers}
+    return (f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())).encode("latin-1")
+
+
 async def _load(server, clients: int, duration: float, search_share: float, seed: int):
     rng = random.Random(seed)
     qs = queries(5000, seed=seed)
@@ -34,40 +142,46 @@ async def _load(server, clients: int, duration: float, search_share: float, seed
     errors = {}
     stop = time.perf_counter() + duration
     added = 0
+    heads = {"search": request_head(server, "/v1/memories/search"), "add": request_head(server, "/v1/memories")}
+    address = urlsplit(server.url)
 
-    async def worker(client):
+    async def worker():
         nonlocal added
+        connection = None
         while time.perf_counter() < stop:
             if rng.random() < search_share:
                 op = "search"
                 u, q = rng.choice(qs)
-                req = ("/v1/memories/search", {"query": q, "filters": {"user_id": u}, "top_k": 10})
+                body = {"query": q, "filters": {"user_id": u}, "top_k": 10}
             else:
                 op = "add"
                 added += 1
                 u = user_id(rng.randrange(1000))
-                req = ("/v1/memories", {"text": f"Load test note {added} from {u}: {rng.choice(qs)[1]}",
-                                        "user_id": u})
+                body = {"text": f"Load test note {added} from {u}: {rng.choice(qs)[1]}", "user_id": u}
             t = time.perf_counter()
             try:
-                async with client.post(req[0], json=req[1]) as r:
-                    await r.read()
-                    ok = r.status < 300
-                    why = f"HTTP {r.status}"
-                    stages = r.headers.get("Server-Timing")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                if connection is None:
+                    connection = await Connection.open(address.hostname, address.port)
+                status, headers, _ = await connection.request(heads[op], json.dumps(body).encode(), timeout=30)
+                ok, why, stages = status < 300, f"HTTP {status}", headers.get("server-timing")
+                if headers.get("connection", "").lower() == "close":  # the server ends it after this answer
+                    connection.transport.close()
+                    connection = None
+            except (OSError, ValueError, asyncio.TimeoutError) as exc:
                 ok, why = False, type(exc).__name__
+                if connection is not None:
+                    connection.transport.close()
+                connection = None  # the next request opens a new connection
             if ok:
                 lat[op].append(time.perf_counter() - t)
                 if stages:
                     timings[op].append((lat[op][-1], stages))
             else:
                 errors[why] = errors.get(why, 0) + 1
+        if connection is not None:
+            connection.transport.close()
 
-    connector = aiohttp.TCPConnector(limit=clients, keepalive_timeout=60)
-    async with aiohttp.ClientSession(base_url=server.url, headers=server.headers, connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=30)) as client:
-        await asyncio.gather(*(worker(client) for _ in range(clients)))
+    await asyncio.gather(*(worker() for _ in range(clients)))
     return lat, errors, timings
 
 
@@ -159,6 +273,7 @@ def main(argv=None):
         p.error("--search-share must be between 0 and 1")
     mix = f"{a.search_share:.0%} search / {1 - a.search_share:.0%} add"
     result = {"machine": machine(), "prefill": a.prefill, "mix": mix, "levels": [],
+              "client": "one asyncio process of plain HTTP/1.1 clients (bench/http_load.py: Connection)",
               "notes": ["query-embedding cache off (MEMORY_SERVER_QUERY_CACHE_SIZE=0): the synthetic queries "
                         "repeat far more often than real ones would, so every search embeds its query"]}
     for workers in (int(w) for w in a.workers.split(",")):

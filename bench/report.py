@@ -172,7 +172,7 @@ def part3(http):
     fig.savefig(IMG / "part3-http-latency.png", dpi=110)
     plt.close(fig)
     return (f"{http['prefill']:,} memories pre-filled over 1,000 users; {http['mix']}; "
-            f"{http['levels'][0]['seconds']:.0f} s per level; one asyncio aiohttp client process on the same "
+            f"{http['levels'][0]['seconds']:.0f} s per level; {http.get('client', 'one asyncio aiohttp client process')} on the same "
             f"{http['machine']['cpus']}-core machine as the server (CPU columns: cores used by the server's processes "
             "/ the client); workers = `serve --workers`.\n\n"
             + _table(["workers", "clients", "req/s", "p50 ms", "p95 ms", "p99 ms", "search p99", "add p99", "errors",

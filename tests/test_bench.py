@@ -5,6 +5,7 @@ real dataset is CC BY-NC and never in the repository), so the recall it reports 
 answers worked out by hand.
 """
 
+import asyncio
 import json
 import os
 import threading
@@ -157,6 +158,61 @@ def sqlite_server(tmp_path, embedder):
     live, stop = start_server(make_settings(tmp_path / "data"), embedder)
     yield live
     stop()
+
+
+def test_the_load_clients_read_every_response_whole_on_connections_kept_alive(sqlite_server, tmp_path):
+    """Part 3's client (http_load.Connection) against a real server: searches and adds on kept-alive
+    connections, every answer read whole, Server-Timing recorded, refusals counted as errors."""
+    live = server.Server(sqlite_server.url, sqlite_server.admin_key, os.getpid(), tmp_path)
+    lat, errors, timings = asyncio.run(http_load._load(live, clients=4, duration=1.5, search_share=0.5, seed=5))
+    assert errors == {} and lat["search"] and lat["add"]
+    assert {len(lat[op]) for op in lat} == {len(timings[op]) for op in timings}
+    assert all("app" in http_load.server_timing(header) for _, header in timings["search"] + timings["add"])
+    with sqlite_server.client() as client:  # every add landed, its text as sent
+        stored = client.post("/v1/memories/search", json={"query": "Load test note", "mode": "keyword", "top_k": 100,
+                                                          "filters": {"user_id": {"in": [user_id(i) for i in range(1000)]}}})
+        assert stored.status_code == 200, stored.text
+        assert len(stored.json()["results"]) == min(100, len(lat["add"]))
+    stranger = server.Server(sqlite_server.url, "ms_not-a-key", os.getpid(), tmp_path)
+    lat, errors, _ = asyncio.run(http_load._load(stranger, clients=2, duration=0.5, search_share=1.0, seed=5))
+    assert lat == {"search": [], "add": []} and list(errors) == ["HTTP 401"] and errors["HTTP 401"] > 2
+
+
+def test_the_load_client_reads_chunked_responses_in_pieces_and_reports_a_closed_connection():
+    """Responses may come chunked and in any number of pieces; a server that closes the connection
+    fails the request waiting on it instead of leaving it hanging."""
+    pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nServer-Timing: app;dur=2\r\n\r\n4\r\n{\"a\"",
+              b"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n",
+              b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\n{}"]
+
+    async def serve(reader, writer):
+        for expected in range(3):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            if expected == 2:
+                writer.close()  # the third request gets no answer
+                return
+            for piece in (pieces[:2] if expected == 0 else pieces[2:]):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+
+    async def run():
+        listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = listening.sockets[0].getsockname()[1]
+        connection = await http_load.Connection.open("127.0.0.1", port)
+        head = b"POST /x HTTP/1.1\r\nHost: here\r\n"
+        first = await connection.request(head, b"{}", timeout=5)
+        second = await connection.request(head, b"{}", timeout=5)
+        with pytest.raises(ConnectionResetError):
+            await connection.request(head, b"{}", timeout=5)
+        listening.close()
+        return first, second
+
+    (status, headers, body), second = asyncio.run(run())
+    assert (status, headers["server-timing"], json.loads(body)) == (200, "app;dur=2", {"a": 1})
+    assert second == (404, {"content-length": "2"}, b"{}")
 
 
 def test_locomo_runner_scores_a_file_in_locomo_layout_through_the_server(sqlite_server, tmp_path):

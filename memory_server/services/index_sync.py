@@ -96,15 +96,16 @@ class RowCache:
     (bench/analysis.md, round 35): SQLite drops a connection's page cache whenever another
     connection wrote, which under a steady stream of adds is nearly every time.
 
-    Least recently used rows go first past `max_bytes` (the rows' text and metadata, roughly, plus
-    a fixed overhead a row); 0 turns the cache off. A row read from the database is kept only if
+    Least recently used rows go first past `max_bytes` (a row counts the characters of its strings
+    plus OVERHEAD: within a few percent of what a row of short ASCII text holds, measured with
+    tracemalloc); 0 turns the cache off. A row read from the database is kept only if
     it was not forgotten since the read began (`get`'s generation): a read that started before a
     change was committed may have returned the row as it was before, and, put after the change was
     forgotten, it would stay. The last RECENT forgets say which rows they were; a read older than
     those keeps nothing. Rows are not per tenant: the caller checks the tenant on each row, as it
     does on rows read from the database."""
 
-    OVERHEAD = 400  # bytes a row costs beside its text and metadata: the tuple, ids, times, hash
+    OVERHEAD = 600  # bytes a row holds beyond its strings' characters: objects' headers, the tuple, the maps
     RECENT = 1024  # forgets remembered (a second or more of changes under load; a read takes milliseconds)
 
     def __init__(self, max_bytes: int):

@@ -110,8 +110,7 @@ class RowCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._rows: OrderedDict[str, tuple] = OrderedDict()
-        self._sizes: dict[str, int] = {}
+        self._rows: OrderedDict[str, tuple[tuple, int]] = OrderedDict()  # id -> (row, its size)
         self._bytes = 0
         self._generation = 0
         self._recent: deque[tuple[int, list[str] | None]] = deque(maxlen=self.RECENT)  # (generation, ids forgotten)
@@ -124,10 +123,10 @@ class RowCache:
             return found, 0
         with self._lock:
             for memory_id in ids:
-                row = self._rows.get(memory_id)
-                if row is not None:
+                kept = self._rows.get(memory_id)
+                if kept is not None:
                     self._rows.move_to_end(memory_id)
-                    found[memory_id] = row
+                    found[memory_id] = kept[0]
             return found, self._generation
 
     def put(self, rows: list[tuple], generation: int) -> None:
@@ -144,19 +143,20 @@ class RowCache:
                 memory_id = row[0]
                 self._drop(memory_id)
                 size = self.OVERHEAD + sum(len(value) for value in row if isinstance(value, str))
-                self._rows[memory_id], self._sizes[memory_id] = row, size
+                self._rows[memory_id] = (row, size)
                 self._bytes += size
             while self._bytes > self.max_bytes and self._rows:
                 self._drop(next(iter(self._rows)))
 
     def forget(self, ids: list[str] | None = None) -> None:
         """Drop the rows of `ids`, or every row: they changed (or are about to)."""
+        if not self.max_bytes:
+            return
         with self._lock:
             self._generation += 1
             self._recent.append((self._generation, None if ids is None else list(ids)))
             if ids is None:
                 self._rows.clear()
-                self._sizes.clear()
                 self._bytes = 0
                 return
             for memory_id in ids:
@@ -176,8 +176,9 @@ class RowCache:
         return changed
 
     def _drop(self, memory_id: str) -> None:
-        if self._rows.pop(memory_id, None) is not None:
-            self._bytes -= self._sizes.pop(memory_id)
+        kept = self._rows.pop(memory_id, None)
+        if kept is not None:
+            self._bytes -= kept[1]
 
     def __len__(self) -> int:
         return len(self._rows)

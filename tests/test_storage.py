@@ -609,6 +609,22 @@ def test_a_call_of_mixed_lengths_pads_each_part_to_its_own_longest_text_and_keep
     assert np.abs(encoder.encode(texts) - alone).max() < 1e-6
 
 
+def test_the_call_holding_the_earliest_text_runs_first_whatever_its_length(embedder):
+    """The micro-batcher lists its callers' texts in arrival order: whoever waited longest is served
+    first, a long message before the queries that arrived after it, and queries before a message
+    that arrived after them."""
+    encoder = embedder._encoder
+    queries = [f"what does {name} drink?" for name in ("Ana", "Bo", "Cy", "Di", "Ed")]
+    message = "Quinn said that she moved to Lisbon last May and now works as a nurse at the children's hospital"
+    for texts, first in (([message, *queries], [0]), ([*queries, message], [0, 1, 2, 3, 4])):
+        parts = list(encoder.encode_parts(texts))
+        assert len(parts) == 2 and sorted(parts[0][0].tolist()) == first
+        out = np.empty((len(texts), embedder.dimension), dtype=np.float32)
+        for rows, vectors in parts:
+            out[rows] = vectors
+        assert np.abs(out - np.stack([encoder.encode([t])[0] for t in texts])).max() < 1e-6
+
+
 def test_a_query_batched_with_a_long_message_gets_its_vector_before_the_message_is_embedded(embedder):
     import threading
     from concurrent.futures import Future

@@ -18,7 +18,9 @@ from memory_server.errors import StartupError
 from memory_server.models import ApiKey
 from memory_server.services.index_sync import IndexSync
 from memory_server.services.vector_memory import VectorMemory
-from memory_server.storage.db import WalCheckpointer, begin_write, create_schema, make_engine, ping, warm_sqlite_file
+from memory_server.storage.db import (
+    HeadHint, WalCheckpointer, begin_write, create_schema, make_engine, ping, warm_sqlite_file,
+)
 from memory_server.storage.vectors import VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
 from memory_server.timing import name_os_thread
@@ -112,7 +114,8 @@ class Runtime:
         if settings.warm_database:  # after the index has read its own files (see warm_sqlite_file)
             warm_sqlite_file(engine)
         sparse = SparseEncoder()
-        sync = IndexSync(engine, index, sparse, row_cache_bytes=int(settings.row_cache_mb * 1024 * 1024))
+        sync = IndexSync(engine, index, sparse, row_cache_bytes=int(settings.row_cache_mb * 1024 * 1024),
+                         hint=HeadHint.beside(engine))
         if index.outdated and not recreate_index:
             _rebuild_outdated(settings, index, sync)
         if not recreate_index:
@@ -185,6 +188,8 @@ class Runtime:
         if self._worker is not None:
             self._worker.join(timeout=10)
         self.index.close()
+        if self.sync.hint is not None:
+            self.sync.hint.close()
         if self.checkpointer is not None:
             self.checkpointer.stop()
         self.engine.dispose()

@@ -25,7 +25,7 @@ from memory_server.errors import InvalidInput, NotFound, StartupError, Unavailab
 from memory_server.models import ChangeLogEntry, MemoryRecord, new_memory_ids
 from memory_server.runtime import Runtime, ensure_bootstrap_key
 from memory_server.services.index_sync import RowCache, point_for
-from memory_server.storage.db import create_schema, driver_rows, make_engine, placeholders
+from memory_server.storage.db import HeadHint, create_schema, driver_rows, make_engine, placeholders
 from memory_server.schemas import AddRequest, SearchRequest, UpdateRequest
 
 FACTS = [
@@ -1001,6 +1001,7 @@ def test_two_processes_on_one_data_dir_hold_their_own_index_and_read_each_others
                 assert not waiting.done()
                 first.memories._delete_rows(racing, [row], "key_racer")
                 racing.commit()
+                first.memories._publish()  # as VectorMemory.delete does after its commit
                 with pytest.raises(NotFound):  # then reads the row again: gone
                     waiting.result(timeout=30)
         assert first.memories.search(admin, search) == []
@@ -1182,6 +1183,68 @@ def test_cached_hit_rows_follow_every_change_whichever_process_made_it(settings,
         second.close()
         first.close()
 
+
+
+def test_a_search_asks_the_database_for_changes_only_once_another_process_has_applied_one(settings, embedder, admin):
+    """With SQLite the processes share the change log's head as far as they applied it (HeadHint):
+    a search reads it instead of the database, and still sees every write another process answered
+    before it began (adds, updates, deletes). With PostgreSQL every search asks the database."""
+    first = Runtime.open(settings, embedder=embedder)
+    second = Runtime.open(settings, embedder=embedder)
+    asked = []
+    for runtime in (first, second):
+        head = runtime.sync.head
+        runtime.sync.head = lambda head=head: asked.append(1) or head()
+    search = SearchRequest(query="who keeps bees?", filters={"user_id": "quinn"})
+    try:
+        if settings.database_url:
+            assert first.sync.hint is None and second.sync.hint is None
+        else:
+            assert first.sync.hint.path == second.sync.hint.path == str((settings.data_dir / "memory.db").resolve()) + "-head"
+        for n in range(5):
+            [added] = first.memories.add(admin, AddRequest(text=f"Quinn keeps {n + 2} hives of bees", user_id="quinn")).results
+            assert added.id in [hit.id for hit in second.memories.search(admin, search)]
+            second.memories.update(admin, added.id, UpdateRequest(text=f"Quinn keeps {n + 2} hives of bees and hens"))
+            assert f"Quinn keeps {n + 2} hives of bees and hens" in [hit.memory for hit in first.memories.search(admin, search)]
+            second.memories.delete(admin, added.id)
+            assert added.id not in [hit.id for hit in first.memories.search(admin, search)]
+        if settings.database_url:
+            assert len(asked) >= 10  # one question a search
+        else:
+            assert asked == []  # no search asked the database where the hint stood
+            assert first.sync.hint.read() == second.sync.hint.read() == first.index.applied_position() > 0
+            applied = []  # a search with nothing new applies nothing
+            catch_up = second.sync.catch_up
+            second.sync.catch_up = lambda *a: applied.append(1) or catch_up(*a)
+            second.memories.search(admin, search)
+            assert applied == []
+    finally:
+        second.close()
+        first.close()
+
+
+def test_the_head_hint_only_rises_and_every_process_sees_the_highest_published(tmp_path):
+    """Processes publishing at once leave the highest of their positions (the file is locked for
+    each publish); a lower one never replaces a higher; a new hint on the same file reads it."""
+    path = str(tmp_path / "memory.db-head")
+    hint = HeadHint(path)
+    try:
+        assert hint.read() == 0
+        hint.publish(7)
+        hint.publish(5)
+        assert hint.read() == 7
+        script = ("import sys\nfrom memory_server.storage.db import HeadHint\nh = HeadHint(sys.argv[1])\n"
+                  "for p in range(int(sys.argv[2]), 20000, 3): h.publish(p)\n")
+        workers = [subprocess.Popen([sys.executable, "-c", script, path, str(start)]) for start in (0, 1, 2)]
+        assert [w.wait(60) for w in workers] == [0, 0, 0]
+        assert hint.read() == HeadHint(path).read() == 19999
+    finally:
+        hint.close()
+    # Nothing to share: an in-memory database; PostgreSQL, whose replicas run on other machines.
+    for url in ("sqlite://", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"):
+        engine = sqlalchemy.create_engine(url)  # not connected
+        assert HeadHint.beside(engine) is None
+        engine.dispose()
 
 def test_the_row_cache_keeps_no_row_read_across_its_change_and_stays_within_its_bytes(monkeypatch):
     """A row read while a change to it was applied may be the row from before it (the read began

@@ -14,7 +14,7 @@ from sqlmodel import Session, select
 from memory_server.errors import StartupError
 from memory_server.models import ChangeLogEntry, MemoryRecord, embedding_input
 from memory_server.services.filters import NEVER
-from memory_server.storage.db import driver_rows, placeholders, stored_json, stored_time
+from memory_server.storage.db import HeadHint, driver_rows, placeholders, stored_json, stored_time
 from memory_server.storage.vectors import IndexPoint, VectorIndex
 from memory_server.storage.vectors.sparse import SparseEncoder
 
@@ -186,15 +186,18 @@ class RowCache:
 
 class IndexSync:
     """Applies change-log entries after the index's recorded position, in order, and keeps `rows`
-    (RowCache) in step with them. `row_cache_bytes`: the cache's bound (0: no cache)."""
+    (RowCache) in step with them. `row_cache_bytes`: the cache's bound (0: no cache). `hint`: the
+    head as applied by the processes sharing this SQLite file (storage/db.py HeadHint), which lets
+    `follow` skip the database when nothing new was answered; None asks the database each time."""
 
     def __init__(self, engine: Engine, index: VectorIndex, sparse: SparseEncoder, batch_size: int = 1000,
-                 row_cache_bytes: int = 0):
+                 row_cache_bytes: int = 0, hint: HeadHint | None = None):
         self.engine = engine
         self.index = index
         self.sparse = sparse
         self.batch_size = batch_size
         self.rows = RowCache(row_cache_bytes)
+        self.hint = hint
         self._lock = threading.Lock()
         self.applied_since_optimize = 0
 
@@ -211,8 +214,11 @@ class IndexSync:
     def follow(self, head: int | None = None) -> None:
         """Apply what other processes (workers, replicas) committed, if anything: a search then
         sees every write that was answered before it began, whichever process took the write.
-        `head`: the change log's head, when the caller has just read it."""
-        if (self.head() if head is None else head) > self.index.applied_position():
+        `head`: the change log's head, when the caller has just read it; else the hint says how far
+        the processes that answered writes had applied them, or the database what it holds."""
+        if head is None:
+            head = self.hint.read() if self.hint is not None else self.head()
+        if head > self.index.applied_position():
             self.catch_up()
 
     def catch_up(self, prepared: dict[str, IndexPoint] | None = None) -> int:
@@ -225,6 +231,7 @@ class IndexSync:
                 with self.engine.connect() as connection:
                     entries = driver_rows(connection, _ENTRIES.format(placeholders(connection, 1)), (position, self.batch_size))
                     if not entries:
+                        self._published(position)
                         return applied
                     # Before the index answers from the change: see RowCache.
                     self.rows.forget([memory_id for _, memory_id, _ in entries])
@@ -233,7 +240,15 @@ class IndexSync:
                 applied += len(entries)
                 self.applied_since_optimize += len(entries)
                 if len(entries) < self.batch_size:
+                    self._published(entries[-1][0])
                     return applied  # the query saw every entry committed before it ran
+
+    def _published(self, position: int) -> None:
+        """Tell the other processes this far is applied (HeadHint), before the lock is let go: a
+        writer whose entries another thread's catch-up applied must not answer before they are
+        published, and that thread publishes under the lock the writer waits for."""
+        if self.hint is not None:
+            self.hint.publish(position)
 
     def _apply(self, points: list[IndexPoint], deleted: list[str], position: int | None) -> None:
         """Write a run of entries. When the write fails because of points the index cannot hold

@@ -176,7 +176,10 @@ class VectorMemory:
         return self._preparer.submit(lambda: {i: prepare(p) for i, p in points.items()})
 
     def _publish(self, prepared: dict[str, IndexPoint] | None = None) -> None:
-        """Apply the committed change to the index before answering (read-your-writes)."""
+        """Apply the committed change to the index before answering (read-your-writes); every write
+        calls it after its commit. The catch-up also tells the other processes on this SQLite file
+        how far it applied (HeadHint): their searches rely on it to see this write. (A write that
+        skipped it would reach them with the maintenance thread's next catch-up, within a second.)"""
         self.last_active = time.monotonic()
         try:
             with stage("index"):

@@ -529,11 +529,10 @@ class VectorMemory:
             self.sync.rows.put(read, generation)
             cached.update((r.id, r) for r in read)
         found = [r for i in ids if (r := cached.get(i)) is not None and r.tenant_id == principal.tenant_id]
-        rows = {r.id: r for r in found if (expires_at := stored_time(r.expires_at)) is None or expires_at > now}
+        rows = {r.id: r for r in found if r.expires_at is None or r.expires_at > now}
         results = [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
-                                metadata=stored_json(r.meta), created_at=stored_time(r.created_at),
-                                updated_at=stored_time(r.updated_at), expires_at=stored_time(r.expires_at),
-                                hash=r.hash, score=s)
+                                metadata=stored_json(r.meta), created_at=r.created_at, updated_at=r.updated_at,
+                                expires_at=r.expires_at, hash=r.hash, score=s)
                    for i, s in scored if (r := rows.get(i)) is not None]
         return results, len(rows) < len(found)
 
@@ -721,7 +720,8 @@ def _numbers(text: str) -> list[str]:
 
 
 class HitRow(NamedTuple):
-    """What a search returns of a hit's row, as the driver gives it (storage/db.py: stored_time, stored_json)."""
+    """What a search returns of a hit's row: its times read once (storage/db.py stored_time), its
+    metadata as JSON text (stored_json decodes it)."""
     id: str
     tenant_id: str
     user_id: str | None
@@ -729,17 +729,21 @@ class HitRow(NamedTuple):
     run_id: str | None
     text: str
     meta: object
-    created_at: object
-    updated_at: object
-    expires_at: object
+    created_at: datetime
+    updated_at: datetime
+    expires_at: datetime | None
     hash: str
 
     @classmethod
     def of(cls, values: tuple) -> "HitRow":
-        """A row as the driver gave it, its metadata as JSON text whichever the driver (PostgreSQL's
-        decodes it): a cached row is shared by the searches that read it, each decodes its own copy."""
+        """A row as the driver gave it, its times parsed and its metadata as JSON text whichever the
+        driver (PostgreSQL's decodes it). A cached row is shared by the searches that read it: each
+        decodes its own copy of the metadata (a dict could be changed), and the datetimes, which
+        cannot be, are parsed once for all of them (three per hit: ~40 µs of a ten-hit search)."""
         row = cls(*values)
-        return row if isinstance(row.meta, (str, bytes)) or row.meta is None else row._replace(meta=json.dumps(row.meta))
+        meta = row.meta if isinstance(row.meta, (str, bytes)) or row.meta is None else json.dumps(row.meta)
+        return row._replace(meta=meta, created_at=stored_time(row.created_at), updated_at=stored_time(row.updated_at),
+                            expires_at=stored_time(row.expires_at))
 
 
 # The id list (placeholders) is added when it runs.

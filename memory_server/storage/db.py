@@ -173,7 +173,6 @@ def _available_memory() -> int:
     return 0
 
 
-
 class HeadHint:
     """The change log's position as far as any process of this machine has applied it, in a small
     memory-mapped file beside the SQLite database (`<database>-head`), for the processes (workers)

@@ -181,11 +181,12 @@ class ObserveRequests:
                 await self.app(scope, receive, observed_send)
         finally:
             path = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(scope["method"], path, str(status)).inc()
-            self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - started)
+            metrics = self.metrics
+            metrics.request_count(scope["method"], path, str(status)).inc()
+            metrics.request_latency(scope["method"], path).observe(time.perf_counter() - started)
             for name, seconds in finished.items():
                 if name != "app":  # the latency histogram's
-                    self.metrics.stages.labels(path, name).observe(seconds)
+                    metrics.stage_latency(path, name).observe(seconds)
 
 
 class KeyFirst:

@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     embedding_threads: int = Field(0, ge=0, le=256)  # parallel model calls; 0 = one per CPU
     model_dir: Path | None = None  # where the ONNX export is kept; default <data_dir>/models
     embedding_batch_size: int = Field(16, ge=1, le=4096)
+    embedding_gather_size: int = Field(10, ge=1, le=4096)  # texts a model call takes from concurrent requests
     query_cache_size: int = Field(1024, ge=0)
     row_cache_mb: float = Field(32.0, ge=0)  # search hits' rows kept in memory, per process (index_sync.RowCache)
     embedding_wait_ms: float = Field(8.0, ge=0, le=1000)  # how long a model call may wait for texts already on their way

@@ -109,7 +109,7 @@ class Runtime:
                                         cache_size=settings.query_cache_size, device=settings.embedding_device,
                                         model_dir=settings.resolved_model_dir,
                                         quantize=settings.embedding_quantize, threads=settings.embedding_threads,
-                                        wait_ms=settings.embedding_wait_ms)
+                                        wait_ms=settings.embedding_wait_ms, gather_size=settings.embedding_gather_size)
         index = open_index(settings, embedder.dimension, embedder.name, recreate=recreate_index)
         if settings.warm_database:  # after the index has read its own files (see warm_sqlite_file)
             warm_sqlite_file(engine)

@@ -756,6 +756,34 @@ def test_a_caller_that_cancels_while_queued_is_left_out_and_the_model_call_goes_
     assert not embedder.query_soon("a query a caller may not cancel").cancel()
 
 
+def test_a_model_call_gathers_at_most_the_gather_size_from_concurrent_callers(embedder):
+    """Under load every call is full: its size is what a caller's wait for the model varies by."""
+    from memory_server.embedding import _MicroBatcher
+
+    batcher = _MicroBatcher(embedder._encoder.encode_parts, embedder.dimension, max_texts=10, workers=0)
+    queries = [f"who keeps bees number {n}?" for n in range(25)]
+    pending = [batcher.submit([q]) for q in queries]
+    sizes = []
+    while not all(p.done() for p in pending):
+        batch = batcher._gather()
+        sizes.append(sum(len(texts) for texts, _ in batch))
+        batcher._embed(batch)
+    assert sizes == [10, 10, 5]  # in the order they came
+    vectors = np.stack([p.result()[0] for p in pending])
+    assert np.abs(vectors - embedder._encoder.encode(queries)).max() < 1e-5
+
+
+def test_the_gather_size_is_a_setting_apart_from_the_batch_size(tmp_path):
+    runtime = Runtime.open(make_settings(tmp_path, model_dir=MODEL_DIR, embedding_gather_size=6, embedding_batch_size=16))
+    try:
+        assert runtime.embedder._batcher._max_texts == 6 and runtime.embedder.batch_size == 16
+    finally:
+        runtime.close()
+    assert make_settings(tmp_path).embedding_gather_size == 10
+    with pytest.raises(ValueError, match="embedding_gather_size"):
+        make_settings(tmp_path, embedding_gather_size=0)
+
+
 def test_texts_handed_to_the_model_early_get_the_vectors_of_the_plain_calls(embedder):
     query, texts = "who keeps bees on a roof?", ["Alice keeps bees", "Bob rides a red bike to work"]
     early = embedder.query_soon(query)
@@ -805,6 +833,30 @@ def test_a_model_failure_is_a_503_whether_the_texts_went_early_or_not(runtime, a
             attempt()
     monkeypatch.undo()
     assert memories.list(admin, user_id="rita").results == []  # nothing half-written
+
+
+def test_a_write_run_on_the_driver_cursor_alone_is_committed(settings):
+    """The hot writes read and write through the driver's cursor (driver_rows, RowEncoder), which
+    begins no SQLAlchemy transaction: begin_write must, or commit() ends nothing and the pool rolls
+    the write back (an add answered ADD and stored nothing)."""
+    from memory_server.storage.db import begin_write
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.resolved_database_url)
+    create_schema(engine)
+    try:
+        with engine.connect() as connection:
+            assert driver_rows(connection, "SELECT COUNT(*) FROM change_log") == [(0,)]
+            begin_write(connection)
+            cursor = connection.connection.cursor()
+            cursor.execute("CREATE TABLE notes (text TEXT)")
+            cursor.execute(f"INSERT INTO notes VALUES ({placeholders(connection, 1)})", ("kept",))
+            cursor.close()
+            connection.commit()
+        with engine.connect() as connection:
+            assert driver_rows(connection, "SELECT text FROM notes") == [("kept",)]
+    finally:
+        engine.dispose()
 
 
 def test_a_writer_waiting_for_the_sqlite_write_lock_takes_it_as_soon_as_it_is_free(tmp_path):

@@ -377,7 +377,9 @@ class VectorMemory:
         scopes = {scope for scope, _ in keys}
         pairs = sorted({(h, scope[0]) for scope, h in keys if scope[0] is not None})
         params = {"tenant": tenant_id, "hashes": hashes, "pairs": pairs}
-        wanted = {((u, a, r), h) for u, a, r, h in connection.execute(_HASH_SCOPES, params) if (u, a, r) in scopes}
+        found = driver_rows(connection, _hash_scopes(connection, len(hashes), len(pairs)),
+                            (tenant_id, *hashes, *(value for pair in pairs for value in pair)))
+        wanted = {((u, a, r), h) for u, a, r, h in found if (u, a, r) in scopes}
         if not wanted:
             return {}
         found = connection.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
@@ -507,7 +509,8 @@ class VectorMemory:
         with stage("index"):
             hits = self.index.search(query)
         used = query.weights if query.sparse and query.sparse.indices else query.weights[:1]
-        scored = [(hit.id, normalize_score(request.mode, hit.score, query.rrf_k, used)) for hit in hits]
+        scored = list(zip([hit.id for hit in hits],
+                          normalize_scores(request.mode, [hit.score for hit in hits], query.rrf_k, used)))
         # Equal scores (common in RRF) are ordered by id, so that the same hits come back in the
         # same order everywhere. Equal BM25 scores inside a hybrid search's candidate lists, which
         # Qdrant ranks in no fixed order, are made rare by sparse.tie_break (bench/analysis.md,
@@ -531,7 +534,7 @@ class VectorMemory:
         found = [r for i in ids if (r := cached.get(i)) is not None and r.tenant_id == principal.tenant_id]
         rows = {r.id: r for r in found if r.expires_at is None or r.expires_at > now}
         results = [ScoredMemory(id=r.id, memory=r.text, user_id=r.user_id, agent_id=r.agent_id, run_id=r.run_id,
-                                metadata=stored_json(r.meta), created_at=r.created_at, updated_at=r.updated_at,
+                                metadata=r.metadata(), created_at=r.created_at, updated_at=r.updated_at,
                                 expires_at=r.expires_at, hash=r.hash, score=s)
                    for i, s in scored if (r := rows.get(i)) is not None]
         return results, len(rows) < len(found)
@@ -673,19 +676,19 @@ class VectorMemory:
                              created_at=r.created_at) for r in rows]
 
 
-def normalize_score(mode: str, raw: float, rrf_k: int, weights: tuple[float, ...]) -> float:
-    """Map a backend score into [0, 1]; docs/vector-memory.md says what each mode's score means."""
+def normalize_scores(mode: str, raw: list[float], rrf_k: int, weights: tuple[float, ...]) -> list[float]:
+    """Map a search's backend scores into [0, 1]; docs/vector-memory.md says what each mode's score means."""
     if mode == "dense":
-        value = raw  # cosine similarity
+        values = raw  # cosine similarity
     elif mode == "keyword":
-        value = raw / (raw + 1.0)  # BM25 squashed: 0 = no match, 0.5 = BM25 of 1, -> 1 as BM25 grows
+        values = [score / (score + 1.0) for score in raw]  # BM25 squashed: 0 = no match, 0.5 = BM25 of 1, -> 1 as BM25 grows
     else:
         # Qdrant's weighted RRF gives rank r (from 0) in a list of weight w the score
         # 1 / (k - 1 + (r + 1) / w); divided by its maximum (rank 0 everywhere) it becomes 1.0 for a
         # memory ranked first by every retriever.
         best = sum(1.0 / (rrf_k - 1 + 1.0 / w) for w in weights if w > 0)
-        value = raw / best if best else 0.0
-    return round(min(1.0, max(0.0, value)), 6)
+        values = [score / best for score in raw] if best else [0.0] * len(raw)
+    return [round(min(1.0, max(0.0, value)), 6) for value in values]
 
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -721,7 +724,7 @@ def _numbers(text: str) -> list[str]:
 
 class HitRow(NamedTuple):
     """What a search returns of a hit's row: its times read once (storage/db.py stored_time), its
-    metadata as JSON text (stored_json decodes it)."""
+    metadata decoded once when flat, else as JSON text (`metadata()` gives each search its copy)."""
     id: str
     tenant_id: str
     user_id: str | None
@@ -736,14 +739,26 @@ class HitRow(NamedTuple):
 
     @classmethod
     def of(cls, values: tuple) -> "HitRow":
-        """A row as the driver gave it, its times parsed and its metadata as JSON text whichever the
-        driver (PostgreSQL's decodes it). A cached row is shared by the searches that read it: each
-        decodes its own copy of the metadata (a dict could be changed), and the datetimes, which
-        cannot be, are parsed once for all of them (three per hit: ~40 µs of a ten-hit search)."""
+        """A row as the driver gave it, its times parsed and its metadata decoded (PostgreSQL's driver
+        decodes it itself). A cached row is shared by the searches that read it, so each gets its
+        own copy of the metadata (a dict could be changed): flat metadata (no dict or list inside,
+        as most is) is kept decoded and copied, a tenth of decoding it again (an empty one: 0.16
+        against 1.7 µs, ten hits a search; bench/analysis.md, round 37); nested metadata is kept as
+        JSON text and decoded for each search. The datetimes, which cannot be changed, are parsed
+        once for all of them (three per hit: ~40 µs of a ten-hit search)."""
         row = cls(*values)
-        meta = row.meta if isinstance(row.meta, (str, bytes)) or row.meta is None else json.dumps(row.meta)
+        meta = stored_json(row.meta)
+        if not (isinstance(meta, dict) and all(isinstance(v, _SCALARS) for v in meta.values())):
+            meta = row.meta if isinstance(row.meta, (str, bytes)) else json.dumps(meta)
         return row._replace(meta=meta, created_at=stored_time(row.created_at), updated_at=stored_time(row.updated_at),
                             expires_at=stored_time(row.expires_at))
+
+    def metadata(self) -> dict:
+        """This search's own copy of the metadata."""
+        return dict(self.meta) if isinstance(self.meta, dict) else stored_json(self.meta)
+
+
+_SCALARS = (str, int, float, bool, type(None))  # the values a shallow copy of metadata copies whole
 
 
 # The id list (placeholders) is added when it runs.
@@ -759,8 +774,24 @@ _SAME_HASH_AND_USER = and_(
     MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)),
     or_(col(MemoryRecord.user_id).is_(None),
         tuple_(MemoryRecord.hash, MemoryRecord.user_id).in_(bindparam("pairs", expanding=True))))
-_HASH_SCOPES = select(MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id, MemoryRecord.hash).where(
-    _SAME_HASH_AND_USER)
+
+
+def _hash_scopes(connection: Connection, hashes: int, pairs: int) -> str:
+    """_SAME_HASH_AND_USER's scopes, as plain SQL for the driver's cursor (storage/db.py driver_rows),
+    parameters: the tenant, the hashes, then each (hash, user_id) pair's two values. Every add runs
+    it, twice under concurrent writes (again under the write lock): through SQLAlchemy, with its
+    expanding parameters, it took 58 µs of CPU against 13 on SQLite, and 162 against 74 µs on
+    PostgreSQL (bench/analysis.md, round 37). SQLite takes a row value IN only from a subquery
+    (VALUES); PostgreSQL gets the list SQLAlchemy gives it."""
+    mark = placeholders(connection, 1)
+    by_user = "1 = 0"
+    if pairs:
+        rows = ", ".join([f"({mark}, {mark})"] * pairs)
+        by_user = f"(hash, user_id) IN ({'VALUES ' if connection.dialect.name == 'sqlite' else ''}{rows})"
+    return (f"SELECT user_id, agent_id, run_id, hash FROM {MemoryRecord.__tablename__} "
+            f"WHERE tenant_id = {mark} AND hash IN ({placeholders(connection, hashes)}) AND (user_id IS NULL OR {by_user})")
+
+
 _SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
                     MemoryRecord.hash, MemoryRecord.text).where(_SAME_HASH_AND_USER, _ALIVE_AT_NOW)
 _LIVE_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(

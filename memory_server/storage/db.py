@@ -278,7 +278,13 @@ def begin_write(connection: Connection) -> None:
     this transaction ends no other writer (thread, worker or replica) commits, and what this one
     reads from here on includes everything committed before. SQLite: `BEGIN IMMEDIATE` (the driver
     would begin at the first write, after the reads). PostgreSQL: the change log's lock, which every
-    write takes anyway (lock_change_log)."""
+    write takes anyway (lock_change_log).
+
+    It also begins SQLAlchemy's own transaction, which the statements run on the driver's cursor
+    (driver_rows, RowEncoder) do not: without it the caller's `commit()` would end nothing and the
+    pool would roll the writes back."""
+    if not connection.in_transaction():
+        connection.begin()
     if connection.dialect.name == "sqlite":
         dbapi_connection = connection.connection.dbapi_connection
         if not dbapi_connection.in_transaction:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from datetime import datetime, timezone
 
 import numpy as np
-from sqlalchemy import and_, bindparam, delete as sql_delete, func, or_, tuple_
+from sqlalchemy import and_, delete as sql_delete, func, or_
 from sqlalchemy.orm import defer
 from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
@@ -376,14 +376,14 @@ class VectorMemory:
         # at ~350k.
         scopes = {scope for scope, _ in keys}
         pairs = sorted({(h, scope[0]) for scope, h in keys if scope[0] is not None})
-        params = {"tenant": tenant_id, "hashes": hashes, "pairs": pairs}
-        found = driver_rows(connection, _hash_scopes(connection, len(hashes), len(pairs)),
-                            (tenant_id, *hashes, *(value for pair in pairs for value in pair)))
+        found = _same_hash(connection, _HASH_SCOPES, tenant_id, hashes, pairs)
         wanted = {((u, a, r), h) for u, a, r, h in found if (u, a, r) in scopes}
         if not wanted:
             return {}
-        found = connection.execute(_SAME_HASH, {**params, "hashes": sorted({h for _, h in wanted}), "now": now})
-        return {((u, a, r), h): (i, text) for i, u, a, r, h, text in found if ((u, a, r), h) in wanted}
+        found = _same_hash(connection, _HASH_ROWS, tenant_id, sorted({h for _, h in wanted}), pairs)
+        # Expiry is judged here, on the few rows of the wanted scopes, as a search's hits are.
+        return {((u, a, r), h): (i, text) for i, u, a, r, h, text, expires_at in found
+                if ((u, a, r), h) in wanted and (expires_at is None or stored_time(expires_at) > now)}
 
     def _stored_near_duplicates(self, connection: Connection, tenant_id: str, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
@@ -708,7 +708,9 @@ def _live_texts(connection: Connection, ids: set[str], now: datetime) -> dict[st
     """{id: text} of the given memories (the ones that exist and have not expired)."""
     if not ids:
         return {}
-    return dict(connection.execute(_LIVE_TEXTS, {"ids": sorted(ids), "now": now}).all())
+    sql = f"SELECT id, text, expires_at FROM {MemoryRecord.__tablename__} WHERE id IN ({placeholders(connection, len(ids))})"
+    return {i: text for i, text, expires_at in driver_rows(connection, sql, sorted(ids))
+            if expires_at is None or stored_time(expires_at) > now}
 
 
 def _groups(items, size: int):
@@ -766,37 +768,29 @@ _HIT_ROWS = ("SELECT id, tenant_id, user_id, agent_id, run_id, text, metadata, c
              f"FROM {MemoryRecord.__tablename__} WHERE id IN ")
 
 
-# Statements the add path runs on every request, built once: building a select costs more than
-# SQLite takes to run it. _ALIVE_AT_NOW is _alive() with `now` bound when the statement runs.
-_ALIVE_AT_NOW = func.coalesce(MemoryRecord.expires_at, _NEVER) > bindparam("now", type_=MemoryRecord.__table__.c.expires_at.type)
-# Rows with one of the batch's hashes whose (hash, user) pair is the batch's (or that have no user).
-_SAME_HASH_AND_USER = and_(
-    MemoryRecord.tenant_id == bindparam("tenant"), col(MemoryRecord.hash).in_(bindparam("hashes", expanding=True)),
-    or_(col(MemoryRecord.user_id).is_(None),
-        tuple_(MemoryRecord.hash, MemoryRecord.user_id).in_(bindparam("pairs", expanding=True))))
+# An add's exact-text check (_exact_duplicates): the rows with one of the add's hashes whose (hash,
+# user) pair is the add's (or that have no user). First only the scopes (the hash index holds them),
+# then the rows of the scopes wanted.
+_HASH_SCOPES = "user_id, agent_id, run_id, hash"
+_HASH_ROWS = "id, user_id, agent_id, run_id, hash, text, expires_at"
 
 
-def _hash_scopes(connection: Connection, hashes: int, pairs: int) -> str:
-    """_SAME_HASH_AND_USER's scopes, as plain SQL for the driver's cursor (storage/db.py driver_rows),
-    parameters: the tenant, the hashes, then each (hash, user_id) pair's two values. Every add runs
-    it, twice under concurrent writes (again under the write lock): through SQLAlchemy, with its
-    expanding parameters, it took 58 µs of CPU against 13 on SQLite, and 162 against 74 µs on
-    PostgreSQL (bench/analysis.md, round 37). SQLite takes a row value IN only from a subquery
-    (VALUES); PostgreSQL gets the list SQLAlchemy gives it."""
+def _same_hash(connection: Connection, columns: str, tenant_id: str, hashes: list[str],
+               pairs: list[tuple[str, str]]) -> list[tuple]:
+    """`columns` of the tenant's rows with one of `hashes` whose (hash, user_id) is one of `pairs`
+    or that have no user, as plain SQL on the driver's cursor (storage/db.py driver_rows): every add
+    runs it, twice under concurrent writes (again under the write lock); through SQLAlchemy, with
+    its expanding parameters, the first query took 58 µs of CPU against 13 on SQLite, and 162
+    against 74 µs on PostgreSQL (bench/analysis.md, round 37). SQLite takes a row value IN only
+    from a subquery (VALUES); PostgreSQL takes the list as it is."""
     mark = placeholders(connection, 1)
     by_user = "1 = 0"
     if pairs:
-        rows = ", ".join([f"({mark}, {mark})"] * pairs)
+        rows = ", ".join([f"({mark}, {mark})"] * len(pairs))
         by_user = f"(hash, user_id) IN ({'VALUES ' if connection.dialect.name == 'sqlite' else ''}{rows})"
-    return (f"SELECT user_id, agent_id, run_id, hash FROM {MemoryRecord.__tablename__} "
-            f"WHERE tenant_id = {mark} AND hash IN ({placeholders(connection, hashes)}) AND (user_id IS NULL OR {by_user})")
-
-
-_SAME_HASH = select(MemoryRecord.id, MemoryRecord.user_id, MemoryRecord.agent_id, MemoryRecord.run_id,
-                    MemoryRecord.hash, MemoryRecord.text).where(_SAME_HASH_AND_USER, _ALIVE_AT_NOW)
-_LIVE_TEXTS = select(MemoryRecord.id, MemoryRecord.text).where(
-    col(MemoryRecord.id).in_(bindparam("ids", expanding=True)),
-    _ALIVE_AT_NOW)
+    sql = (f"SELECT {columns} FROM {MemoryRecord.__tablename__} WHERE tenant_id = {mark} "
+           f"AND hash IN ({placeholders(connection, len(hashes))}) AND (user_id IS NULL OR {by_user})")
+    return driver_rows(connection, sql, (tenant_id, *hashes, *(value for pair in pairs for value in pair)))
 
 
 def _readable():

@@ -383,7 +383,7 @@ class VectorMemory:
         found = _same_hash(connection, _HASH_ROWS, tenant_id, sorted({h for _, h in wanted}), pairs)
         # Expiry is judged here, on the few rows of the wanted scopes, as a search's hits are.
         return {((u, a, r), h): (i, text) for i, u, a, r, h, text, expires_at in found
-                if ((u, a, r), h) in wanted and (expires_at is None or stored_time(expires_at) > now)}
+                if ((u, a, r), h) in wanted and _unexpired(expires_at, now)}
 
     def _stored_near_duplicates(self, connection: Connection, tenant_id: str, group: list[tuple[Planned, np.ndarray]],
                                 existing: dict, now: datetime) -> list[list[tuple[str, str]]]:
@@ -710,7 +710,12 @@ def _live_texts(connection: Connection, ids: set[str], now: datetime) -> dict[st
         return {}
     sql = f"SELECT id, text, expires_at FROM {MemoryRecord.__tablename__} WHERE id IN ({placeholders(connection, len(ids))})"
     return {i: text for i, text, expires_at in driver_rows(connection, sql, sorted(ids))
-            if expires_at is None or stored_time(expires_at) > now}
+            if _unexpired(expires_at, now)}
+
+
+def _unexpired(expires_at, now: datetime) -> bool:
+    """Whether a row's `expires_at` as the driver gives it (storage/db.py stored_time) is unset or after `now`."""
+    return expires_at is None or stored_time(expires_at) > now
 
 
 def _groups(items, size: int):

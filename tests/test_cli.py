@@ -434,6 +434,48 @@ def test_serve_with_workers_hands_each_connection_to_the_worker_holding_fewest(t
                 c.close()
 
 
+def _policies(pid: int) -> dict[str, int]:
+    """The scheduling policy of each thread of process `pid`, by its name."""
+    policies = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            policies[f"{(task / 'comm').read_text().strip()} ({task.name})"] = os.sched_getscheduler(int(task.name))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return policies
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("workers, setting", [("1", None), ("2", None), ("2", "false")])
+def test_serve_runs_every_thread_of_every_process_under_sched_batch_unless_told_not_to(tmp_path, monkeypatch, workers,
+                                                                                        setting):
+    if setting is not None:
+        monkeypatch.setenv("MEMORY_SERVER_BATCH_SCHEDULING", setting)
+    with serving(tmp_path, "--workers", workers) as (url, data_dir, log_path):
+        port = int(url.rsplit(":", 1)[1])
+        if workers == "2":
+            supervisor, serving_pids = _workers(port, 2)
+        else:
+            supervisor, serving_pids = None, [pid for pid, state, _ in _server_sockets(port) if state == "listening"]
+        wait_for(lambda: log_path.read_text().count("Application startup complete") == int(workers), "the workers")
+        headers = {"Authorization": f"Token {(data_dir / 'bootstrap-admin.key').read_text().strip()}"}
+        # Two kept-alive connections, one to each worker: each worker's request threads start.
+        with httpx.Client(base_url=url, headers=headers) as first, httpx.Client(base_url=url, headers=headers) as second:
+            for n, client in enumerate([first, second] * 3):
+                added = client.post("/v1/memories", json={"text": f"note {n}", "user_id": "u"})
+                assert added.status_code == 200, added.text
+                found = client.post("/v1/memories/search", json={"query": "note", "filters": {"user_id": "u"}})
+                assert found.status_code == 200, found.text
+        expected = os.SCHED_OTHER if setting == "false" else os.SCHED_BATCH
+        for pid in serving_pids:
+            policies = _policies(pid)
+            assert any(name.startswith("embedding") for name in policies), policies  # the model's threads
+            assert any(name.startswith("request") for name in policies), policies
+            assert set(policies.values()) == {expected}, policies
+        if supervisor is not None:
+            assert set(_policies(supervisor).values()) == {expected}
+
+
 @pytest.mark.skipif(not hasattr(socket, "send_fds"), reason="connection hand-off needs Unix descriptor passing")
 def test_serve_with_workers_replaces_a_worker_that_dies_and_stops_them_all(tmp_path):
     import signal

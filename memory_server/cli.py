@@ -122,8 +122,9 @@ def batch_scheduling() -> None:
     thread handed a search, the event loop with a response to write, a model thread with texts)
     no longer preempts the server's thread running on that core; it waits for the running one's
     time slice to end. Fewer switches between the model's calls and the requests' Python: at 64
-    HTTP clients on a 2-core Zen 5, ~5% less CPU a request, ~6% more requests a second and a ~7%
-    lower p99 in every one of 10 alternating pairs of runs (bench/analysis.md, round 39). Other
+    HTTP clients on a 2-core Zen 5, ~6% less CPU a request and ~7% more requests a second in
+    alternating 20-s runs, no difference beyond the box's swings in 60-s ones (bench/analysis.md,
+    round 39). Other
     programs on the machine (a database, a proxy) still preempt the server when they wake. No
     privilege is needed to choose it; elsewhere than Linux it does nothing."""
     import os

@@ -124,21 +124,20 @@ def batch_scheduling() -> None:
     time slice to end. Fewer switches between the model's calls and the requests' Python: at 64
     HTTP clients on a 2-core Zen 5, ~6% less CPU a request and ~7% more requests a second in
     alternating 20-s runs, no difference beyond the box's swings in 60-s ones (bench/analysis.md,
-    round 39). Other
-    programs on the machine (a database, a proxy) still preempt the server when they wake. No
-    privilege is needed to choose it; elsewhere than Linux it does nothing."""
+    round 39). Other programs on the machine (a database, a proxy) still preempt the server when
+    they wake. No privilege is needed to choose it; elsewhere than Linux it does nothing."""
     import os
 
     if not hasattr(os, "SCHED_BATCH"):
         return
-    # The threads already running too (OpenBLAS starts its own as numpy is imported), then this one,
-    # from which every later thread and process inherits it.
+    # Every thread already running (OpenBLAS starts its own as numpy is imported), this one among
+    # them: every later thread and process inherits it from its creator.
     try:
         threads = [int(task) for task in os.listdir("/proc/self/task")]
     except OSError:
-        threads = []
+        threads = [0]  # this thread alone
     try:
-        for thread in [*threads, 0]:
+        for thread in threads:
             try:
                 os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0))
             except ProcessLookupError:  # it ended meanwhile

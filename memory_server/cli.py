@@ -125,8 +125,8 @@ def batch_scheduling() -> None:
     HTTP clients on a 2-core Zen 5, ~6% less CPU a request and ~7% more requests a second in
     alternating 20-s runs, no difference beyond the box's swings in 60-s ones (bench/analysis.md,
     round 39); on a 2-core Intel Xeon with AMX, ~8% less CPU a request in four of four alternating
-    pairs (round 40). Other programs on the machine (a database, a proxy) still preempt the server when
-    they wake. No privilege is needed to choose it; elsewhere than Linux it does nothing."""
+    pairs (round 40). Other programs on the machine (a database, a proxy) still preempt the server
+    when they wake. No privilege is needed to choose it; elsewhere than Linux it does nothing."""
     import os
 
     if not hasattr(os, "SCHED_BATCH"):

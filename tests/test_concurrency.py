@@ -38,8 +38,8 @@ def _client_run(workers, seed: int) -> tuple[set[str], list[tuple[str, int, str]
     """One client's random run; returns the ids it saw, its unexpected answers, and the id of its
     own expiring note: a memory of its own scope, unlike any other text, that no client deletes or
     changes, which the expiry sweep purges while the clients write (the random expiring adds alone
-    left the sweep nothing to purge in a rare run, seen once in CI in session 43: each was a
-    duplicate of a stored text, or a client deleted or changed it first)."""
+    once left the sweep nothing to purge, in CI in session 43: most likely each was a duplicate of
+    a stored text, or a client deleted or changed it first)."""
     rng = random.Random(seed)
     seen: set[str] = set()
     unexpected = []

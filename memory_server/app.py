@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from memory_server import __version__
+from memory_server.access_log import AccessLog
 from memory_server.api import health, keys, memories
 from memory_server.api.deps import PRINCIPAL, principal_for
 from memory_server.api.direct import DirectRoutes, direct_routes
@@ -71,12 +72,16 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         finally:
             gc.unfreeze()
             runtime.close()
+            if app.state.access_log is not None:
+                app.state.access_log.flush()
 
     # No redirects to the path without its trailing slash: clients follow a 307 with the same method,
     # and `DELETE /v1/memories/?user_id=u` (a memory id left empty) became a delete of u's every memory.
     app = MemoryServerApp(title="memory-server", version=__version__, lifespan=lifespan, redirect_slashes=False,
                           description="Long-term memory for LLM agents. Contract: API.md.")
     app.state.metrics = Metrics()
+    # Like any INFO line, the access log is left out at a higher log level.
+    app.state.access_log = AccessLog() if settings.access_log and settings.log_level in ("INFO", "DEBUG") else None
     for router in ROUTERS:
         app.include_router(router)
     _install_error_handlers(app)
@@ -85,7 +90,8 @@ def create_app(settings: Settings | None = None, *, embedder: Embedder | None = 
         front = DirectRoutes(front, app, direct_routes(memories.router, memories.DIRECT))
     front = BodyLimit(front, max_bytes=settings.max_body_bytes)
     front = KeyFirst(front, app)
-    app.front = ObserveRequests(front, metrics=app.state.metrics, server_timing=settings.server_timing)
+    app.front = ObserveRequests(front, metrics=app.state.metrics, server_timing=settings.server_timing,
+                                access_log=app.state.access_log)
     return app
 
 
@@ -157,10 +163,11 @@ class ObserveRequests:
     ASGI: Starlette's `@app.middleware` wraps every request in extra tasks and streams, ~1 ms each
     on a busy 2-core box."""
 
-    def __init__(self, app, metrics: Metrics, server_timing: bool = True):
+    def __init__(self, app, metrics: Metrics, server_timing: bool = True, access_log: AccessLog | None = None):
         self.app = app
         self.metrics = metrics
         self.server_timing = server_timing
+        self.access_log = access_log  # a line for each request (access_log.py); None: none
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -181,9 +188,11 @@ class ObserveRequests:
                 await self.app(scope, receive, observed_send)
         finally:
             path = getattr(scope.get("route"), "path", "unmatched")
-            metrics = self.metrics
+            metrics, elapsed = self.metrics, time.perf_counter() - started
             metrics.request_count(scope["method"], path, str(status)).inc()
-            metrics.request_latency(scope["method"], path).observe(time.perf_counter() - started)
+            metrics.request_latency(scope["method"], path).observe(elapsed)
+            if self.access_log is not None:
+                self.access_log.request(scope, status, elapsed)
             for name, seconds in finished.items():
                 if name != "app":  # the latency histogram's
                     metrics.stage_latency(path, name).observe(seconds)

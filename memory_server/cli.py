@@ -80,8 +80,9 @@ def serve(
     # otherwise race the server's close (seen as rare connection resets in the HTTP benchmark).
     # Heads bounded in size and time (protocol.py); a stop waits at most 30 s for requests in hand
     # (a client stalled mid-body held a one-process server's SIGTERM for good).
+    # The app writes the access log (memory_server/access_log.py), not uvicorn.
     options = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), timeout_keep_alive=30,
-                   access_log=settings.access_log, timeout_graceful_shutdown=30,
+                   access_log=False, timeout_graceful_shutdown=30,
                    http=functools.partial(BoundedHttpToolsProtocol, head_timeout=settings.request_head_timeout_seconds))
     if settings.workers == 1:
         from memory_server import workers as worker_processes

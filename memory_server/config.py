@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     direct_routes: bool = True  # add, batch add and search answered ahead of FastAPI (api/direct.py)
     server_timing: bool = True  # a Server-Timing header on each response: where its time went (timing.py)
     log_level: Literal["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"] = "INFO"
-    access_log: bool = True  # uvicorn's line per request
+    access_log: bool = True  # a line per request on standard output (access_log.py)
     batch_scheduling: bool = True  # serve's threads under Linux's SCHED_BATCH (cli.batch_scheduling)
     request_head_timeout_seconds: float = Field(30.0, gt=0, le=3600)  # a request's line and headers (protocol.py)
 

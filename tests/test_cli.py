@@ -94,7 +94,9 @@ def test_walkthrough_cli_agent_key_add_search(served):
     assert response.status_code == 200, (response.status_code, response.text)
     found = response.json()
     assert found["results"][0]["memory"] == "Alice likes green tea" and found["results"][0]["user_id"] == "alice"
-    assert '"POST /v1/memories/search HTTP/1.1" 200' in log_path.read_text()  # the access log, on by default
+    # The access log, on by default; its lines are written together within a fraction of a second.
+    assert wait_for(lambda: '"POST /v1/memories/search HTTP/1.1" 200' in log_path.read_text(), "the access log line",
+                    timeout=10)
 
 
 def test_serve_can_leave_out_the_access_log(tmp_path, monkeypatch):

@@ -909,7 +909,7 @@ def test_a_writer_gives_up_on_the_sqlite_write_lock_after_the_busy_timeout(tmp_p
 
 
 @pytest.mark.parametrize("beside", [True, False], ids=["checkpoints beside", "sqlite's own checkpoints"])
-def test_a_large_commit_leaves_the_wal_checkpoint_to_a_thread_of_its_own(tmp_path, beside):
+def test_commits_leave_the_wal_checkpoint_to_a_thread_of_its_own(tmp_path, beside):
     from memory_server.storage.db import WalCheckpointer
 
     path = tmp_path / "wal.db"
@@ -919,38 +919,45 @@ def test_a_large_commit_leaves_the_wal_checkpoint_to_a_thread_of_its_own(tmp_pat
         with engine.connect() as connection:
             connection.exec_driver_sql("CREATE TABLE blobs (data BLOB)")
             connection.commit()
+        if beside:  # the thread copies it at its next interval; nothing else is noted until the next commit
+            wait_for(lambda: checkpointer.checkpoints == 1, "the interval's checkpoint", 5)
         empty = path.stat().st_size
         with engine.connect() as connection:  # 1,500 rows, ~1,500 pages: past SQLite's own 1,000
+            if beside:
+                assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
             connection.exec_driver_sql("INSERT INTO blobs VALUES (?)", [(os.urandom(4000),)] * 1500)
             connection.commit()
-        grown_in_the_commit = path.stat().st_size - empty
+            grown_in_the_commit = path.stat().st_size - empty
         if not beside:  # the commit copied its pages into the database file itself
             assert grown_in_the_commit > 5_000_000
             return
         assert grown_in_the_commit == 0  # they are in the WAL only: the commit did not copy them
-        wait_for(lambda: checkpointer.checkpoints == 1, "the checkpoint", 5)  # the thread did, just after
-        assert path.stat().st_size - empty > 5_000_000
-        with engine.connect() as connection:  # SQLite's own threshold is back on the connection
-            assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 1000
-            assert connection.exec_driver_sql("SELECT count(*) FROM blobs").scalar() == 1500
-        # Small commits (under 500 rows) keep SQLite's own checkpoints: 300 rows of ~4 pages each take
-        # the WAL past 1,000 pages and their commit copies them itself.
+        # The thread did, as soon as the connection was back in the pool: well within an interval.
+        wait_for(lambda: path.stat().st_size - empty > 5_000_000, "the checkpoint", checkpointer.INTERVAL * 0.8)
+        # Small commits (under 500 rows) are copied by the thread too, at its next interval: 300 rows
+        # of ~4 pages each take the WAL past 1,000 pages, where SQLite's own checkpoint would have
+        # copied them in the commit.
         before = path.stat().st_size
         with Session(engine) as session:
             session.connection().exec_driver_sql("INSERT INTO blobs VALUES (?)", [(os.urandom(14000),)] * 300)
             session.commit()
-        assert path.stat().st_size - before > 3_000_000
-        time.sleep(0.2)
-        assert checkpointer.checkpoints == 1
+            assert path.stat().st_size == before
+        wait_for(lambda: path.stat().st_size - before > 3_000_000, "the interval's checkpoint", 5)
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT count(*) FROM blobs").scalar() == 1800
+        checkpoints = checkpointer.checkpoints
+        time.sleep(checkpointer.INTERVAL * 3)  # nothing committed: nothing to copy
+        assert checkpointer.checkpoints == checkpoints
     finally:
         if checkpointer is not None:
             checkpointer.stop()
             assert not checkpointer._thread.is_alive()
+            with engine.connect() as connection:  # stopped: the engine's connections checkpoint as SQLite does
+                assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 1000
         engine.dispose()
 
 
-def test_a_runtime_checkpoints_sqlite_beside_its_large_commits_unless_turned_off(tmp_path, embedder, admin,
-                                                                                 database_url):
+def test_a_runtime_checkpoints_sqlite_beside_its_commits_unless_turned_off(tmp_path, embedder, admin, database_url):
     on = Runtime.open(make_settings(tmp_path / "on", database_url), embedder=embedder)
     off = Runtime.open(make_settings(tmp_path / "off", database_url, sqlite_background_checkpoints=False),
                        embedder=embedder)
@@ -959,9 +966,12 @@ def test_a_runtime_checkpoints_sqlite_beside_its_large_commits_unless_turned_off
         if database_url is not None:  # PostgreSQL checkpoints itself
             assert on.checkpointer is None
             return
-        fill(on, admin)  # a small batch: SQLite's own checkpoints
-        time.sleep(0.2)
-        assert on.checkpointer.checkpoints == 0
+        fill(on, admin)  # a small batch: copied at the thread's next interval
+        wait_for(lambda: on.checkpointer.checkpoints >= 1, "the interval's checkpoint", 5)
+        for runtime, pages in ((on, 0), (off, 1000)):  # 0: the commits of `on` never checkpoint themselves
+            with runtime.engine.connect() as connection:
+                assert connection.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == pages
+        checkpoints = on.checkpointer.checkpoints
         cities = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Berlin", "Lima", "Hanoi", "Oslo", "Austin", "Cairo"]
         hobbies = ["chess", "pottery", "salsa", "the piano", "watercolour", "tennis", "kayaking", "jazz", "baking",
                    "astronomy", "gardening", "cycling", "knitting", "surfing", "poetry", "climbing", "origami"]
@@ -969,7 +979,7 @@ def test_a_runtime_checkpoints_sqlite_beside_its_large_commits_unless_turned_off
                  for n, (city, hobby) in enumerate((c, h) for c in cities for h in hobbies)]
         added = on.memories.add_batch(admin, [AddRequest(text=t, user_id="quinn") for t in texts])
         assert sum(r.event == "ADD" for r in added.results) >= 170  # ~3 rows each: a large commit
-        wait_for(lambda: on.checkpointer.checkpoints == 1, "the checkpoint", 5)
+        wait_for(lambda: on.checkpointer.checkpoints > checkpoints, "the checkpoint", 5)
         thread = on.checkpointer._thread
     finally:
         on.close()

@@ -25,8 +25,6 @@ log = logging.getLogger("memory_server")
 CHANGE_LOG_LOCK_ID = 0x6D656D6F
 # How long an SQLite statement waits for another connection's lock before "database is locked".
 BUSY_TIMEOUT_MS = 30000
-# SQLite's own default: a commit that takes the WAL past this many pages copies it into the database.
-AUTOCHECKPOINT_PAGES = 1000
 
 
 def make_engine(url: str) -> Engine:
@@ -70,26 +68,33 @@ def _use_wal(cursor, wait_seconds: float = 30.0) -> None:
 
 
 class WalCheckpointer:
-    """Copies the write-ahead log of a large commit into the SQLite database file on a thread of its
-    own, instead of in the commit, under the write lock.
+    """Copies SQLite's write-ahead log into the database file on a thread of its own, instead of in
+    the commits of the requests.
 
-    SQLite checkpoints in the commit that takes the WAL past 1,000 pages: a batch of 1,000 adds
-    writes ~4,250, so its commit copied them while every other writer (thread, worker or replica)
-    waited and the model's threads idled, ~70 ms at 100k memories (bench/analysis.md, round 32).
-    A transaction that changed LARGE_COMMIT_ROWS rows or more commits with automatic checkpoints
-    off, and this thread copies its pages right after, beside the work that follows (the next
-    batch's embedding). Small commits keep SQLite's own checkpoints: waking a thread after each of
-    them cost more than the checkpoints do (a single add under load). The checkpoint is PASSIVE:
-    it never waits for or blocks readers and writers (a commit that tries to checkpoint meanwhile
-    leaves it to this one) and copies what no reader still needs. A checkpoint that fails is
-    logged; the next commit past 1,000 pages or the next large one tries again."""
+    SQLite checkpoints right after the commit that takes the WAL past 1,000 pages, in that commit's
+    call, and its request waits for the copy: a batch of 1,000 adds (~4,250 pages) waited ~70 ms at
+    100k memories while the model's threads idled (bench/analysis.md, round 32), and under a load of
+    single adds every ~80th add's commit took 5-8 ms instead of ~0.1 (the slowest 1% of adds under
+    HTTP load spent ~15 ms in the database; round 41). Here the engine's connections have SQLite's
+    automatic checkpoints off (set as each is checked out of the pool), and this thread checkpoints:
+    - right after a large commit (LARGE_COMMIT_ROWS rows changed or more), beside the work that
+      follows it (the next batch's embedding);
+    - every INTERVAL seconds while anything else was committed: a small commit only notes that it
+      happened, as waking a thread after each of them cost more than the checkpoints do (a load of
+      single adds, round 32).
+    The checkpoint is PASSIVE: it never waits for or blocks readers and writers (another process's
+    checkpoint meanwhile leaves it to that one) and copies what no reader still needs; the rest is
+    copied by the next. One that fails is logged, and tried again at the next interval. `stop`
+    hands the engine back with fresh connections, which have SQLite's own checkpoints."""
 
     LARGE_COMMIT_ROWS = 500  # rows changed since the connection left the pool: ~700 pages or more
+    INTERVAL = 0.25  # seconds; a load of single adds writes ~1,000 pages in that time on a fast box
 
     def __init__(self, engine: Engine):
         self._engine = engine
         self._wanted = threading.Event()
         self._stopping = False
+        self._committed = False  # since the last checkpoint
         self.checkpoints = 0
         self._listeners = (("checkout", self._checked_out), ("commit", self._committing),
                            ("checkin", self._checked_in))
@@ -100,48 +105,61 @@ class WalCheckpointer:
 
     @staticmethod
     def _checked_out(dbapi_connection, record, _proxy) -> None:
-        record.info["changes_before"] = dbapi_connection.total_changes
+        info = record.info
+        if "checkpoints_beside" not in info:  # once a connection: it keeps the setting
+            dbapi_connection.execute("PRAGMA wal_autocheckpoint=0")
+            info["checkpoints_beside"] = True
+        info["changes_before"] = dbapi_connection.total_changes
 
     @classmethod
     def _committing(cls, connection: Connection) -> None:
-        """Before the driver's commit: a large one leaves its checkpoint to the thread."""
+        """Before the driver's commit: note it on the connection, and whether it is a large one."""
         record = connection.connection
         dbapi_connection = record.dbapi_connection
         changed = dbapi_connection.total_changes - record.info.get("changes_before", dbapi_connection.total_changes)
-        if changed >= cls.LARGE_COMMIT_ROWS:
-            dbapi_connection.execute("PRAGMA wal_autocheckpoint=0")
-            record.info["checkpoint_beside"] = True
+        if changed >= cls.LARGE_COMMIT_ROWS or not record.info.get("committed"):
+            record.info["committed"] = "large" if changed >= cls.LARGE_COMMIT_ROWS else "small"
 
     def _checked_in(self, dbapi_connection, record) -> None:
-        """The connection is back in the pool: its commit has landed."""
-        if record.info.pop("checkpoint_beside", False):
-            if dbapi_connection is not None:
-                dbapi_connection.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
-            self._wanted.set()
+        """The connection is back in the pool: its commit has landed (noted here, not before it:
+        a checkpoint between the two would leave its pages to whatever commits next)."""
+        committed = record.info.pop("committed", None)
+        if committed:
+            self._committed = True
+            if committed == "large":
+                self._wanted.set()
 
     def _run(self) -> None:
         name_os_thread()
         while True:
-            self._wanted.wait()
+            self._wanted.wait(self.INTERVAL)
             self._wanted.clear()
             if self._stopping:
                 return
-            self.checkpoint()
+            if self._committed:
+                self._committed = False  # a commit from here on is copied by the next checkpoint
+                self.checkpoint()
 
     def checkpoint(self) -> None:
         try:
             with self._engine.connect() as connection:
                 connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
             self.checkpoints += 1
-        except Exception:  # the database is closing, the disk is full: the next commit tries again
+        except Exception:  # the database is closing, the disk is full: the next interval tries again
+            self._committed = True
             log.warning("checkpointing the SQLite WAL failed", exc_info=True)
 
     def stop(self) -> None:
+        """End the thread after a last checkpoint, and replace the engine's connections (their
+        automatic checkpoints are off)."""
         self._stopping = True
         self._wanted.set()
         self._thread.join(timeout=10)
         for name, listener in self._listeners:
             event.remove(self._engine, name, listener)
+        if self._committed:
+            self.checkpoint()
+        self._engine.dispose()
 
 
 def warm_sqlite_file(engine: Engine, available: int | None = None) -> int:

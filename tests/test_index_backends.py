@@ -478,12 +478,12 @@ def test_an_adds_own_point_never_undoes_a_later_change(backend_runtime, admin, m
     committed = {name: threading.Event() for name in ("add", "change")}
     release = {name: threading.Event() for name in ("add", "change")}
 
-    def publish(prepared=None):
+    def publish(prepared=None, own=None):
         name = threading.current_thread().name
         if name in committed:
             committed[name].set()
             release[name].wait(30)
-        real_publish(prepared)
+        real_publish(prepared, own)
 
     monkeypatch.setattr(memories, "_publish", publish)
     added = []

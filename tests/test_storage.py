@@ -314,6 +314,44 @@ def test_a_prepared_point_never_hides_a_later_change(runtime, admin):
     assert [h.id for h in found] == [ids[0]]
 
 
+def test_an_add_applies_its_own_entries_without_reading_them_back_unless_another_writers_wait(runtime, embedder,
+                                                                                            admin, monkeypatch):
+    """IndexSync.catch_up's `own`: an add's change-log entries are all its own, so when the index has
+    applied everything before them it applies them from the add's points, without reading the log.
+    When another writer (a worker, a replica) committed in between, everything is read and applied."""
+    reads = []
+    real_changes = runtime.sync._changes
+    monkeypatch.setattr(runtime.sync, "_changes", lambda connection, entries, prepared: reads.append(
+        [(memory_id, op) for _, memory_id, op in entries]) or real_changes(connection, entries, prepared))
+
+    def head():
+        with runtime.engine.connect() as connection:
+            return driver_rows(connection, "SELECT max(position) FROM change_log")[0][0]
+
+    [mine] = runtime.memories.add(admin, AddRequest(text="Quinn keeps two cats", user_id="quinn")).results
+    assert reads == [] and runtime.index.applied_position() == head()
+    other = Runtime.open(runtime.settings, embedder=embedder)
+    real_check = runtime.memories._stored_near_duplicates
+    theirs = []
+
+    def another_writer_commits_meanwhile(*args):  # after this add followed the log, before its commit
+        if not theirs:
+            theirs.extend(other.memories.add(admin, AddRequest(text="Quinn plays the cello", user_id="rosa")).results)
+        return real_check(*args)
+
+    monkeypatch.setattr(runtime.memories, "_stored_near_duplicates", another_writer_commits_meanwhile)
+    try:
+        [later] = runtime.memories.add(admin, AddRequest(text="Quinn runs marathons", user_id="quinn")).results
+    finally:
+        other.close()
+    assert reads == [[(theirs[0].id, "add"), (later.id, "add")]]  # both, in their order
+    assert runtime.index.applied_position() == head()
+    for text, user, memory in (("cats", "quinn", mine), ("cello", "rosa", theirs[0]), ("marathons", "quinn", later)):
+        found = runtime.memories.search(admin, SearchRequest(query=text, filters={"user_id": user}, mode="keyword"))
+        assert [h.id for h in found] == [memory.id]
+    assert len(reads) == 1  # the searches had nothing left to apply
+
+
 def test_one_transaction_writes_row_embedding_and_log_entry(runtime, admin):
     [memory_id] = fill(runtime, admin)[:1]
     with Session(runtime.engine) as session:

@@ -175,15 +175,16 @@ class VectorMemory:
         prepare = self.index.prepare
         return self._preparer.submit(lambda: {i: prepare(p) for i, p in points.items()})
 
-    def _publish(self, prepared: dict[str, IndexPoint] | None = None) -> None:
+    def _publish(self, prepared: dict[str, IndexPoint] | None = None, own: tuple[int, int] | None = None) -> None:
         """Apply the committed change to the index before answering (read-your-writes); every write
         calls it after its commit. The catch-up also tells the other processes on this SQLite file
         how far it applied (HeadHint): their searches rely on it to see this write. (A write that
-        skipped it would reach them with the maintenance thread's next catch-up, within a second.)"""
+        skipped it would reach them with the maintenance thread's next catch-up, within a second.)
+        `prepared`, `own`: see IndexSync.catch_up."""
         self.last_active = time.monotonic()
         try:
             with stage("index"):
-                self.sync.catch_up(prepared)
+                self.sync.catch_up(prepared, own)
         except Exception as exc:
             log.exception("vector index apply failed")
             raise Unavailable("the change is saved, but the vector index could not apply it yet; "
@@ -263,7 +264,8 @@ class VectorMemory:
             with stage("db"):
                 if draft.rows:
                     begin_write(connection)
-                    locked_at, moved = utcnow(), change_log_head(connection) != head
+                    locked_at, locked_head = utcnow(), change_log_head(connection)
+                    moved = locked_head != head
                     if moved or draft.noops:
                         self._recheck_under_lock(connection, draft, locked_at, moved)
                 converted = None
@@ -275,9 +277,12 @@ class VectorMemory:
                                              created_at=locked_at, updated_at=locked_at)
                     self._record(connection, [(SimpleNamespace(**r), None, r["text"]) for r in draft.rows], "ADD",
                                  principal.key_id)
+                    # Every change-log entry after the head read under the lock is this add's own (every
+                    # write of the log holds the lock): the index applies them without reading them back.
+                    own = (locked_head, change_log_head(connection))
                     converted = self._prepare_beside(draft.prepared)  # beside the commit, which leaves the GIL
                 connection.commit()
-        self._publish(converted.result() if converted is not None else draft.prepared)
+        self._publish(converted.result() if converted is not None else draft.prepared, own if draft.rows else None)
         return AddResponse(results=draft.results, warnings=warnings)
 
     def _follow(self, head: int | None = None) -> None:

@@ -32,12 +32,12 @@ class AccessLog:
         """The line of a request answered `status` in `seconds` (on the event loop that served it)."""
         client = scope.get("client")
         # The request's target as the client sent it: the parser refused control characters in it.
-        # Anything else (bytes of no printable character, a path built by hand) is percent-encoded,
+        # Anything else (bytes outside printable ASCII, a path built by hand) is percent-encoded,
         # so that a line stays one line.
         raw, query = scope.get("raw_path"), scope.get("query_string")
         target = (raw or quote(scope["path"]).encode()) + (b"?" + query if query else b"")
         path = target.decode("latin-1")
-        if not path.isprintable():
+        if not (path.isascii() and path.isprintable()):  # ASCII: a line's characters are its bytes (PIPE_BUF)
             path = quote(target, safe=SAFE)
         now = time.time()
         second = int(now)

@@ -64,8 +64,9 @@ def wait_for(condition, what: str, timeout: float = 90, pause: float = 0.05) -> 
 
 
 def make_settings(data_dir: Path, database_url: str | None = None, qdrant_url: str | None = None, **extra) -> Settings:
+    # No access log (its lines would go to the test run's own output): tests/test_access_log.py turns it on.
     values = {"data_dir": data_dir, "database_url": database_url, "qdrant_url": qdrant_url,
-              "expiry_sweep_seconds": 0.5, "sync_interval_seconds": 0.2}
+              "expiry_sweep_seconds": 0.5, "sync_interval_seconds": 0.2, "access_log": False}
     values.update(extra)
     return Settings(**values)
 

@@ -26,7 +26,7 @@ def _lines(stream: io.StringIO) -> list[tuple[str, str, int, float]]:
 @pytest.fixture
 def logged(tmp_path, embedder):
     """A running server whose access log is written into a StringIO."""
-    live, stop = start_server(make_settings(tmp_path), embedder)
+    live, stop = start_server(make_settings(tmp_path, access_log=True), embedder)
     stream = live.app.state.access_log.stream = io.StringIO()
     yield live, stream
     stop()
@@ -78,11 +78,12 @@ def test_bytes_of_no_printable_character_are_percent_encoded():
         log.request({"method": "GET", "path": "/v1/\xff\n", "raw_path": b"/v1/\xff\n", "query_string": b"q=\x85",
                      "client": None}, 404, 0.001)
         log.request({"method": "GET", "path": "/v1/caf\u00e9\r"}, 404, 0.001)  # no raw_path: the path, encoded
+        log.request({"method": "GET", "path": "/v1/x", "raw_path": b"/v1/caf\xe9"}, 404, 0.001)  # printable, not ASCII
         log.flush()
 
     asyncio.run(serve())
     assert [(client, request) for client, request, _, _ in _lines(stream)] == [
-        ("-", "GET /v1/%FF%0A?q=%85 HTTP/1.1"), ("-", "GET /v1/caf%C3%A9%0D HTTP/1.1")]
+        ("-", "GET /v1/%FF%0A?q=%85 HTTP/1.1"), ("-", "GET /v1/caf%C3%A9%0D HTTP/1.1"), ("-", "GET /v1/caf%E9 HTTP/1.1")]
 
 
 def test_lines_are_written_together_in_pieces_a_pipe_takes_whole():
@@ -118,6 +119,9 @@ def test_lines_are_written_together_in_pieces_a_pipe_takes_whole():
 def test_the_access_log_follows_the_log_level_and_its_setting(tmp_path, embedder):
     from memory_server.app import create_app
 
-    assert create_app(make_settings(tmp_path / "a")).state.access_log is not None
-    assert create_app(make_settings(tmp_path / "b", log_level="WARNING")).state.access_log is None
+    from memory_server.config import Settings
+
+    assert Settings(data_dir=tmp_path / "a").access_log  # on by default
+    assert create_app(make_settings(tmp_path / "a", access_log=True)).state.access_log is not None
+    assert create_app(make_settings(tmp_path / "b", access_log=True, log_level="WARNING")).state.access_log is None
     assert create_app(make_settings(tmp_path / "c", access_log=False)).state.access_log is None

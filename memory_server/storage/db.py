@@ -74,9 +74,9 @@ class WalCheckpointer:
     SQLite checkpoints right after the commit that takes the WAL past 1,000 pages, in that commit's
     call, and its request waits for the copy: a batch of 1,000 adds (~4,250 pages) waited ~70 ms at
     100k memories while the model's threads idled (bench/analysis.md, round 32), and under a load of
-    single adds every ~80th add's commit took 5-8 ms instead of ~0.1 (the slowest 1% of adds under
-    HTTP load spent ~15 ms in the database; round 41). Here the engine's connections have SQLite's
-    automatic checkpoints off (set as each is checked out of the pool), and this thread checkpoints:
+    single adds, one after another, every ~80th add's commit took 5-8 ms instead of ~0.1 (round 41).
+    Here the engine's connections have SQLite's automatic checkpoints off (set as each is first
+    checked out of the pool), and this thread checkpoints:
     - right after a large commit (LARGE_COMMIT_ROWS rows changed or more), beside the work that
       follows it (the next batch's embedding);
     - every INTERVAL seconds while anything else was committed: a small commit only notes that it

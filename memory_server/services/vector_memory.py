@@ -268,7 +268,7 @@ class VectorMemory:
                     moved = locked_head != head
                     if moved or draft.noops:
                         self._recheck_under_lock(connection, draft, locked_at, moved)
-                converted = None
+                converted = own = None
                 if draft.rows:
                     _stamp(draft.rows, draft.prepared, locked_at)
                     # The driver's own insert of values converted as the rows were made (RowEncoder):
@@ -282,7 +282,7 @@ class VectorMemory:
                     own = (locked_head, change_log_head(connection))
                     converted = self._prepare_beside(draft.prepared)  # beside the commit, which leaves the GIL
                 connection.commit()
-        self._publish(converted.result() if converted is not None else draft.prepared, own if draft.rows else None)
+        self._publish(converted.result() if converted is not None else draft.prepared, own)
         return AddResponse(results=draft.results, warnings=warnings)
 
     def _follow(self, head: int | None = None) -> None:

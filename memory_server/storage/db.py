@@ -117,16 +117,14 @@ class WalCheckpointer:
         record = connection.connection
         dbapi_connection = record.dbapi_connection
         changed = dbapi_connection.total_changes - record.info.get("changes_before", dbapi_connection.total_changes)
-        if changed >= cls.LARGE_COMMIT_ROWS or not record.info.get("committed"):
-            record.info["committed"] = "large" if changed >= cls.LARGE_COMMIT_ROWS else "small"
+        record.info["large_commit"] = record.info.get("large_commit", False) or changed >= cls.LARGE_COMMIT_ROWS
 
     def _checked_in(self, dbapi_connection, record) -> None:
         """The connection is back in the pool: its commit has landed (noted here, not before it:
         a checkpoint between the two would leave its pages to whatever commits next)."""
-        committed = record.info.pop("committed", None)
-        if committed:
+        if "large_commit" in record.info:
             self._committed = True
-            if committed == "large":
+            if record.info.pop("large_commit"):
                 self._wanted.set()
 
     def _run(self) -> None:

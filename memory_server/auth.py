@@ -15,6 +15,7 @@ from sqlmodel import Session, select
 
 from memory_server.errors import Forbidden, InvalidInput, NotFound, Unauthorized, quoted_id
 from memory_server.models import ApiKey, utcnow
+from memory_server.storage.shared_word import SharedWord
 
 Role = Literal["admin", "agent"]
 ROLES = ("admin", "agent")
@@ -96,34 +97,57 @@ class KeyCache:
     authenticate. Failed lookups are never cached.
 
     A revocation appends a line to the data directory's revocation file (`revocations`: the server's
-    API and the CLI both do), and every lookup first compares that file's size, modification time and
-    inode with what it last saw (one `stat`, ~2 µs; the file replaced or truncated counts too): so a revocation takes effect at once in every process on that data
-    directory (all workers of `serve --workers N`), and on replicas elsewhere within `ttl` seconds.
+    API and the CLI both do) and adds one to the revocation count beside it (`revocations-count`, a
+    SharedWord), and every lookup first compares that count with the one it last saw (~0.2 µs, no
+    system call): so a revocation takes effect at once in every process on that data directory (all
+    workers of `serve --workers N`), and on replicas elsewhere within `ttl` seconds. The file itself
+    is `stat`ed at most every `stat_seconds` (its size, modification time and inode), for a change
+    the count does not show: the file replaced, truncated or removed, or a line appended by an
+    earlier version. (Every lookup `stat`ed it until round 42 of bench/analysis.md: the call lets go
+    of the interpreter's lock, and under load the event loop waited to get it back.) Where the count
+    cannot be mapped, every lookup `stat`s the file, as before.
+
     A key verified while a revocation happened is not cached (`generation`), so a request that read
     the key just before the revocation committed cannot put it back for another `ttl`."""
 
-    def __init__(self, ttl: float, revocations: Path | None = None):
+    def __init__(self, ttl: float, revocations: Path | None = None, stat_seconds: float = 1.0):
         self.ttl = ttl
         self.revocations = revocations
+        self._count = (SharedWord.open(revocation_count_path(revocations), "every request stats the revocation file")
+                       if revocations is not None else None)
+        self._stat_seconds = stat_seconds if self._count is not None else 0.0
         self._seen = self._revocations_state()
+        self._stat_due = time.monotonic() + self._stat_seconds
         self.generation = 0  # moves on every clear: a verification that spans one is not cached
         self._entries: dict[str, tuple[float, Principal]] = {}
         self._lock = threading.Lock()
 
-    def _revocations_state(self) -> tuple[int, int, int] | None:
+    def _revocations_state(self) -> tuple[int, int, int, int] | None:
         try:
             found = os.stat(self.revocations) if self.revocations else None
         except FileNotFoundError:
-            return None
-        return (found.st_size, found.st_mtime_ns, found.st_ino) if found else None
+            found = None
+        count = self._count.read() if self._count is not None else 0
+        return (count, found.st_size, found.st_mtime_ns, found.st_ino) if found else (count, -1, 0, 0)
+
+    def _revoked_since_seen(self, now: float) -> bool:
+        if self.revocations is None:
+            return False
+        if self._count is not None and self._count.read() != self._seen[0]:
+            return True
+        if now < self._stat_due:
+            return False
+        self._stat_due = now + self._stat_seconds
+        return self._revocations_state() != self._seen
 
     def peek(self, key: str) -> Principal | None:
         """The cached principal for a key, or None when it must be verified."""
-        if self.revocations is not None and self._revocations_state() != self._seen:
+        now = time.monotonic()
+        if self._revoked_since_seen(now):
             self.clear()
         with self._lock:
             hit = self._entries.get(hash_key(key))
-        return hit[1] if hit and hit[0] > time.monotonic() else None
+        return hit[1] if hit and hit[0] > now else None
 
     def put(self, key: str, principal: Principal, generation: int) -> Principal:
         """Cache a principal verified since `generation` (read before the verification began)."""
@@ -142,27 +166,48 @@ class KeyCache:
             self.generation += 1
             self._entries.clear()
 
+    def close(self) -> None:
+        if self._count is not None:
+            self._count.close()
+            self._count = None
+
 
 REVOCATIONS_FILE = "revocations"
 
 
+def revocation_count_path(revocations: Path) -> Path:
+    return revocations.with_name(revocations.name + "-count")
+
+
 def record_revocation(data_dir: Path, key_id: str) -> bool:
     """Tell every process on this data directory that a key was revoked (see KeyCache): one line
-    appended (O_APPEND: writers never overwrite each other, and the file only grows). The key is
-    revoked in the database either way: when the file cannot be written (made by another user, say),
-    the error is logged, and other processes refuse the key within their cache's lifetime."""
+    appended to the revocation file (O_APPEND: writers never overwrite each other, and the file
+    only grows), then one added to the revocation count. The key is revoked in the database either
+    way. When the file cannot be written (made by another user, say), the error is logged, other
+    processes refuse the key within their cache's lifetime, and this returns False; when only the
+    count cannot, they refuse it within a second (their `stat` of the file)."""
+    file = data_dir / REVOCATIONS_FILE
     try:
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(data_dir / REVOCATIONS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, f"{utcnow().isoformat()} {key_id}\n".encode())
         finally:
             os.close(fd)
     except OSError as exc:
         log.error("key %s is revoked, but %s could not be written (%s): other server processes on this data "
-                  "directory refuse it only once their key cache expires", key_id, data_dir / REVOCATIONS_FILE,
-                  exc.strerror or exc)
+                  "directory refuse it only once their key cache expires", key_id, file, exc.strerror or exc)
         return False
+    count = SharedWord.open(revocation_count_path(file), "other processes on this data directory see a revocation "
+                                                        "within a second, when they next stat the revocation file")
+    if count is not None:
+        try:
+            count.add(1)
+        except OSError as exc:
+            log.warning("cannot add to %s (%s): other processes on this data directory see the revocation within "
+                        "a second", count.path, exc.strerror or exc)
+        finally:
+            count.close()
     return True
 
 

@@ -190,6 +190,7 @@ class Runtime:
         self.index.close()
         if self.sync.hint is not None:
             self.sync.hint.close()
+        self.keys.close()
         if self.checkpointer is not None:
             self.checkpointer.stop()
         self.engine.dispose()

@@ -436,14 +436,15 @@ def test_a_key_verified_while_it_is_revoked_is_not_cached(server, admin):
 def test_the_revocation_file_replaced_or_rewritten_at_its_size_still_clears_the_cache(tmp_path):
     """The cache watched the revocation file's size only: a file replaced by another of the same
     length (a restore, a log rotation) or truncated and written again to that length between two
-    lookups went unseen, and revoked keys stayed cached (session 27's note)."""
+    lookups went unseen, and revoked keys stayed cached (session 27's note). (The revocation count
+    shows no such change: the cache stats the file too, here at every lookup.)"""
     import os
 
     from memory_server.auth import KeyCache, Principal
 
     revocations = tmp_path / "revocations"
     revocations.write_text("2026-12-04T00:00:00 key_a\n")
-    cache = KeyCache(ttl=60, revocations=revocations)
+    cache = KeyCache(ttl=60, revocations=revocations, stat_seconds=0)  # the file stat-ed at every lookup
     principal = Principal("default", "key_b", "agent")
 
     def cached() -> bool:
@@ -464,6 +465,56 @@ def test_the_revocation_file_replaced_or_rewritten_at_its_size_still_clears_the_
     assert cached()
     revocations.unlink()  # removed: also a change
     assert cache.peek("msk_b") is None
+
+
+def test_a_revocation_in_another_process_clears_the_cache_at_once_without_a_system_call(tmp_path, monkeypatch):
+    """Every lookup stat-ed the revocation file; under load the event loop then waited to get the
+    interpreter's lock back (bench/analysis.md, round 42). A revocation now also adds one to a
+    shared count that a lookup reads from memory; the file is stat-ed once a second, for changes
+    the count does not show."""
+    import os
+    import subprocess
+    import sys
+
+    from memory_server.auth import REVOCATIONS_FILE, KeyCache, Principal
+
+    revocations = tmp_path / REVOCATIONS_FILE
+    principal = Principal("default", "key_b", "agent")
+    cache = KeyCache(ttl=60, revocations=revocations, stat_seconds=3600)
+    rarely = KeyCache(ttl=60, revocations=revocations, stat_seconds=0.2)
+    try:
+        for each in (cache, rarely):
+            each.put("msk_b", principal, each.generation)
+        stats = []
+        real_stat = os.stat
+        monkeypatch.setattr(os, "stat", lambda path, *a, **k: stats.append(str(path)) or real_stat(path, *a, **k))
+        assert cache.peek("msk_b") is principal
+        assert str(revocations) not in stats  # no system call a lookup
+        # Another process (a worker, or `memory-server keys revoke`) records a revocation.
+        script = ("import sys\nfrom pathlib import Path\nfrom memory_server.auth import record_revocation\n"
+                  "assert record_revocation(Path(sys.argv[1]), 'key_x')\n")
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert revocations.read_text().endswith(" key_x\n")
+        assert cache.peek("msk_b") is None  # at once
+        cache.put("msk_b", principal, cache.generation)
+        stats.clear()  # the clear read the file's state once
+        assert cache.peek("msk_b") is principal
+        assert str(revocations) not in stats
+        # A change the count does not show (the file replaced, as by a restore) is seen at the next stat.
+        assert rarely.peek("msk_b") is None  # the count moved
+        rarely.put("msk_b", principal, rarely.generation)
+        replacement = tmp_path / "replacement"
+        replacement.write_text("2026-12-04T00:00:00 key_b\n")
+        os.replace(replacement, revocations)
+        deadline = time.monotonic() + 5
+        while rarely.peek("msk_b") is principal and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rarely.peek("msk_b") is None
+        assert cache.peek("msk_b") is principal  # a whole hour between its stats
+    finally:
+        cache.close()
+        rarely.close()
 
 
 def test_metrics_are_for_the_operators_unrestricted_admin_keys(server, admin):

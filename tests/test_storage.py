@@ -1346,6 +1346,25 @@ def test_the_head_hint_only_rises_and_every_process_sees_the_highest_published(t
         assert HeadHint.beside(engine) is None
         engine.dispose()
 
+
+def test_a_shared_word_counts_every_addition_of_every_process(tmp_path):
+    """The key cache's revocation count (auth.KeyCache): processes adding at once lose none of
+    their additions, and a process that mapped the word before sees them without mapping it again."""
+    from memory_server.storage.shared_word import SharedWord
+
+    path = tmp_path / "revocations-count"
+    word = SharedWord(path)
+    try:
+        assert word.read() == 0 and word.add() == 1
+        script = ("import sys\nfrom memory_server.storage.shared_word import SharedWord\nw = SharedWord(sys.argv[1])\n"
+                  "for _ in range(3000): w.add()\n")
+        workers = [subprocess.Popen([sys.executable, "-c", script, str(path)]) for _ in range(3)]
+        assert [w.wait(60) for w in workers] == [0, 0, 0]
+        assert word.read() == SharedWord(path).read() == 9001
+    finally:
+        word.close()
+    assert SharedWord.open(tmp_path / "no-such-directory" / "count", "nothing") is None  # logged, not raised
+
 def test_the_row_cache_keeps_no_row_read_across_its_change_and_stays_within_its_bytes(monkeypatch):
     """A row read while a change to it was applied may be the row from before it (the read began
     before the commit): it is not kept; rows no change touched meanwhile are. Past its bytes the

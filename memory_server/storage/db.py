@@ -9,7 +9,6 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
-import numpy as np
 from sqlalchemy import Table, event, inspect, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.schema import CreateIndex
@@ -17,6 +16,7 @@ from sqlmodel import Session, SQLModel, create_engine
 
 from memory_server import models  # noqa: F401  (registers the tables)
 from memory_server.storage.files import read_whole_elsewhere
+from memory_server.storage.shared_word import SharedWord
 from memory_server.timing import name_os_thread
 
 log = logging.getLogger("memory_server")
@@ -189,7 +189,7 @@ def _available_memory() -> int:
     return 0
 
 
-class HeadHint:
+class HeadHint(SharedWord):
     """The change log's position as far as any process of this machine has applied it, in a small
     memory-mapped file beside the SQLite database (`<database>-head`), for the processes (workers)
     that serve it. A search must see every write answered before it began, whichever process took
@@ -208,59 +208,19 @@ class HeadHint:
     Only for an SQLite file: every process that writes it runs on this machine. PostgreSQL serves
     replicas on other machines, which share no file; there every search asks the database."""
 
-    SIZE = 8
-
-    def __init__(self, path: str):
-        import fcntl
-        import mmap
-
-        self._fcntl = fcntl
-        self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < self.SIZE:
-                os.ftruncate(fd, self.SIZE)  # zeros: position 0, which every index has reached
-            self._map = mmap.mmap(fd, self.SIZE)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        # One aligned 8-byte word, read and written whole (a single load or store on the processors
-        # this runs on): a reader never sees half of a write.
-        self._word = np.frombuffer(self._map, dtype=np.int64, count=1)
-
     @classmethod
     def beside(cls, engine: Engine) -> "HeadHint | None":
         """The hint of the engine's SQLite file; None for PostgreSQL, an in-memory database, or a
         platform without `fcntl` (then every search asks the database, as before)."""
         path = engine.url.database if engine.dialect.name == "sqlite" else None
-        if not path or path == ":memory:" or os.name != "posix":
+        if not path or path == ":memory:":
             return None
-        try:
-            return cls(f"{path}-head")
-        except OSError as exc:
-            log.warning("no change-log hint beside the database (%s): every search asks the database", exc)
-            return None
-
-    def read(self) -> int:
-        return int(self._word[0])
+        return cls.open(f"{path}-head", "every search asks the database for the change log's head")
 
     def publish(self, position: int) -> None:
-        """Raise the hint to `position` (never lower it): under an exclusive lock on the file, so
-        that two processes publishing at once cannot leave the smaller of their positions."""
-        if position <= self.read():
-            return
-        self._fcntl.flock(self._fd, self._fcntl.LOCK_EX)
-        try:
-            if position > self._word[0]:
-                self._word[0] = position
-        finally:
-            self._fcntl.flock(self._fd, self._fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        del self._word  # the map cannot close while a view of it is alive
-        self._map.close()
-        os.close(self._fd)
+        """Raise the hint to `position` (never lower it; two processes publishing at once cannot
+        leave the smaller of their positions)."""
+        self.raise_to(position)
 
 
 # Indexes of earlier versions that a current one replaces: dropped when the schema is checked.

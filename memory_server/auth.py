@@ -122,7 +122,8 @@ class KeyCache:
         self._entries: dict[str, tuple[float, Principal]] = {}
         self._lock = threading.Lock()
 
-    def _revocations_state(self) -> tuple[int, int, int, int] | None:
+    def _revocations_state(self) -> tuple[int, int, int, int]:
+        """(revocation count, the file's size, modification time, inode); a missing file's size is -1."""
         try:
             found = os.stat(self.revocations) if self.revocations else None
         except FileNotFoundError:
